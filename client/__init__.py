@@ -1,0 +1,1 @@
+"""rngcoord client: connection, leases and the DTensor RNG tracker."""

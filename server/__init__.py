@@ -1,0 +1,1 @@
+"""rngcoord server: the coordinator, its storage backends, the audit chain and the CLI."""
