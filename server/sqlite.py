@@ -1,0 +1,153 @@
+"""The embedded SQLite store: WAL, synchronous=FULL, one group-committing writer.
+
+One writer connection belongs to the `GroupCommitWriter` thread; it opens every write
+transaction with `BEGIN IMMEDIATE`, which also serialises it against other processes on the
+same file. Reads run on per-thread connections set to `query_only`, each in its own deferred
+transaction, so a read sees one snapshot and WAL lets it run beside the writer. With
+synchronous=FULL a commit returns only after the WAL is fsynced: a write is durable when
+`write` returns. Schema migrations (server/migrations/sqlite) run at open.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from rngcoord.server.errors import Unavailable
+from rngcoord.server.groupcommit import GroupCommitWriter
+from rngcoord.server.store import Tx, apply_migrations
+
+__all__ = ["SqliteStore", "SqliteTx"]
+
+T = TypeVar("T")
+
+_BUSY_CODES = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED})
+
+
+class SqliteTx:
+    """`Tx` over one sqlite3 connection (in autocommit mode; transactions are explicit).
+
+    Args:
+        conn: the connection to run statements on.
+    """
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def execute(self, sql: str, params: Sequence[object] = ()) -> None:
+        self._conn.execute(sql, tuple(params))
+
+    def fetchone(self, sql: str, params: Sequence[object] = ()) -> tuple[Any, ...] | None:
+        row: tuple[Any, ...] | None = self._conn.execute(sql, tuple(params)).fetchone()
+        return row
+
+    def fetchall(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        return self._conn.execute(sql, tuple(params)).fetchall()
+
+
+def _is_busy(exc: BaseException) -> bool:
+    """Another process held the write lock past busy_timeout: worth running the batch again."""
+    return isinstance(exc, sqlite3.OperationalError) and exc.sqlite_errorcode in _BUSY_CODES
+
+
+class SqliteStore:
+    """A `Store` in one SQLite file.
+
+    Args:
+        path: the database file; created with its schema when missing.
+        busy_timeout_ms: how long a connection waits for a lock held by another process
+            before failing. Default 5000.
+        max_batch: most write operations per transaction. Default 256.
+    """
+
+    dialect = "sqlite"
+
+    def __init__(self, path: str | Path, *, busy_timeout_ms: int = 5000, max_batch: int = 256):
+        self.path = Path(path)
+        self._busy_timeout_ms = busy_timeout_ms
+        self._conn = self._connect()
+        mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if mode != "wal":
+            self._conn.close()
+            raise RuntimeError(f"SQLite could not use WAL for {self.path} (journal_mode={mode})")
+        self._conn.execute("PRAGMA synchronous = FULL")
+        self._tx = SqliteTx(self._conn)
+        self._writer = GroupCommitWriter(
+            begin=self._begin,
+            commit=self._commit,
+            rollback=self._rollback,
+            is_retryable=_is_busy,
+            name=f"rngcoord-sqlite-writer:{self.path.name}",
+            max_batch=max_batch,
+        )
+        self._local = threading.local()
+        self._readers: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()
+        self._closed = False
+        try:
+            self._writer.submit(lambda tx: apply_migrations(tx, "sqlite"))
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self) -> sqlite3.Connection:
+        # isolation_level=None: the module must not open transactions behind our back; and
+        # connections move between the opening thread, the writer thread and close().
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+        return conn
+
+    def _begin(self) -> SqliteTx:
+        self._conn.execute("BEGIN IMMEDIATE")
+        return self._tx
+
+    def _commit(self) -> None:
+        self._conn.execute("COMMIT")
+
+    def _rollback(self) -> None:
+        try:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            # SQLite already rolled back on the error that brought us here.
+            pass
+
+    def _reader(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            with self._readers_lock:
+                if self._closed:
+                    raise Unavailable("store is closed")
+                conn = self._connect()
+                conn.execute("PRAGMA query_only = ON")
+                self._readers.append(conn)
+            self._local.conn = conn
+        return conn
+
+    def read(self, fn: Callable[[Tx], T]) -> T:
+        """Run `fn` in a read-only snapshot on this thread's reader connection."""
+        if self._closed:
+            raise Unavailable("store is closed")
+        conn = self._reader()
+        conn.execute("BEGIN")
+        try:
+            return fn(SqliteTx(conn))
+        finally:
+            conn.execute("ROLLBACK")
+
+    def write(self, fn: Callable[[Tx], T]) -> T:
+        """Run `fn` in the next group commit; durable (WAL fsynced) on return."""
+        return self._writer.submit(fn)
+
+    def close(self) -> None:
+        """Finish queued writes, then close every connection. Idempotent."""
+        self._writer.close()
+        with self._readers_lock:
+            self._closed = True
+            readers, self._readers = self._readers, []
+        for conn in readers:
+            conn.close()
+        self._conn.close()

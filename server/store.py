@@ -1,0 +1,199 @@
+"""The storage interface every backend implements, and the helpers they share.
+
+- `Tx` and `Store`: the protocols the coordinator codes against. SQL is written once, with `?`
+  placeholders and portable statements only; a backend adapts it to its driver.
+- `to_db` / `from_db`: uint64 values (seeds, offsets, sizes, cursors) live in signed 64-bit
+  columns as `v - 2**63`, which keeps their order.
+- `apply_migrations`: runs server/migrations/<folder>/NNN_*.sql in order inside a caller's
+  transaction and records each in `schema_version`.
+- `open_store(url)`: picks the backend from the URL scheme.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from importlib import resources
+from typing import Any, Protocol, TypeVar
+
+__all__ = [
+    "BIAS",
+    "Store",
+    "Tx",
+    "apply_migrations",
+    "from_db",
+    "open_store",
+    "split_sql",
+    "to_db",
+]
+
+T = TypeVar("T")
+
+BIAS = 1 << 63
+"""Subtracted from a uint64 before it is stored in a signed BIGINT column."""
+
+
+def to_db(value: int) -> int:
+    """Map a uint64 onto a signed 64-bit column value, keeping the order."""
+    return value - BIAS
+
+
+def from_db(value: int) -> int:
+    """Inverse of `to_db`."""
+    return value + BIAS
+
+
+class Tx(Protocol):
+    """One open transaction. Statements use `?` placeholders."""
+
+    def execute(self, sql: str, params: Sequence[object] = ()) -> None:
+        """Run a statement whose rows (if any) are not needed."""
+        ...
+
+    def fetchone(self, sql: str, params: Sequence[object] = ()) -> tuple[Any, ...] | None:
+        """Run a query and return its first row, or None when it has none."""
+        ...
+
+    def fetchall(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        """Run a query and return all of its rows."""
+        ...
+
+
+class Store(Protocol):
+    """A transactional store: concurrent snapshot reads and durable group-committed writes."""
+
+    dialect: str
+    """"sqlite" or "postgresql"."""
+
+    def read(self, fn: Callable[[Tx], T]) -> T:
+        """Run `fn` in a read-only snapshot and return its result. Safe from any thread."""
+        ...
+
+    def write(self, fn: Callable[[Tx], T]) -> T:
+        """Run `fn` in a write transaction; on return its writes are committed and durable.
+
+        `fn` must be a pure function of the transaction: a backend may run it again when the
+        database asks for a retry. A `CoordinatorError` from `fn` rolls back `fn`'s writes
+        (unless the error has `keep_writes`) and is raised here; a failed commit raises
+        `Unavailable`.
+        """
+        ...
+
+    def close(self) -> None:
+        """Finish queued writes, then release connections. Later calls raise `Unavailable`."""
+        ...
+
+
+def open_store(url: str) -> Store:
+    """Open the store a URL names, applying pending schema migrations.
+
+    Args:
+        url: `sqlite:///PATH` (PATH relative to the working directory; `sqlite:////abs/path`
+            for an absolute one) or `postgresql://...` (a libpq connection URL).
+
+    Raises:
+        ValueError: the URL names no supported backend.
+    """
+    if url.startswith("sqlite:///"):
+        from rngcoord.server.sqlite import SqliteStore
+
+        return SqliteStore(url.removeprefix("sqlite:///"))
+    if url.startswith(("postgresql://", "postgres://")):
+        # Imported lazily: the SQLite-only deployment never needs psycopg.
+        from rngcoord.server.postgres import PostgresStore
+
+        store: Store = PostgresStore(url)
+        return store
+    raise ValueError(
+        f"unsupported store URL {url!r}: use sqlite:///PATH or postgresql://USER@HOST/DB"
+    )
+
+
+def split_sql(script: str) -> list[str]:
+    """Split a migration script into statements at semicolons outside quotes and comments.
+
+    Handles '...' strings, "..." identifiers, `--` line comments and `/* */` block comments;
+    migrations must not use dollar quoting. Empty statements are dropped.
+    """
+    statements: list[str] = []
+    current: list[str] = []
+    i, n = 0, len(script)
+    while i < n:
+        ch = script[i]
+        if ch in "'\"":
+            close = script.find(ch, i + 1)
+            # A doubled quote inside a literal escapes it; find() lands on the first of the two
+            # and the next pass continues the literal from the second.
+            end = n if close < 0 else close + 1
+            current.append(script[i:end])
+            i = end
+        elif script.startswith("--", i):
+            newline = script.find("\n", i)
+            i = n if newline < 0 else newline + 1
+        elif script.startswith("/*", i):
+            close = script.find("*/", i + 2)
+            i = n if close < 0 else close + 2
+        elif ch == ";":
+            statements.append("".join(current).strip())
+            current = []
+            i += 1
+        else:
+            current.append(ch)
+            i += 1
+    statements.append("".join(current).strip())
+    return [s for s in statements if s]
+
+
+def _migration_files(folder: str) -> list[tuple[int, str, str]]:
+    """(version, name, script) of server/migrations/<folder>/NNN_*.sql, in version order."""
+    root = resources.files("rngcoord.server") / "migrations" / folder
+    found: list[tuple[int, str, str]] = []
+    for entry in root.iterdir():
+        stem, dot, ext = entry.name.partition(".")
+        number, _, _ = stem.partition("_")
+        if dot and ext == "sql" and number.isdigit():
+            found.append((int(number), stem, entry.read_text(encoding="utf-8")))
+    found.sort()
+    versions = [version for version, _, _ in found]
+    if versions != list(range(1, len(found) + 1)):
+        raise RuntimeError(
+            f"migrations in server/migrations/{folder} must be numbered 1..N without gaps; "
+            f"found {versions}"
+        )
+    return found
+
+
+def apply_migrations(tx: Tx, folder: str) -> int:
+    """Apply the migrations of `folder` that `schema_version` lacks; return the version.
+
+    Runs inside the caller's write transaction, so a failed migration leaves no trace and
+    concurrent starters serialise on the backend's write lock.
+
+    Args:
+        tx: an open write transaction.
+        folder: the dialect's folder under server/migrations ("sqlite" or "postgres").
+
+    Raises:
+        RuntimeError: the database was migrated by a newer rngcoord, or the files are
+            misnumbered.
+    """
+    tx.execute(
+        "CREATE TABLE IF NOT EXISTS schema_version ("
+        "version BIGINT NOT NULL PRIMARY KEY, name TEXT NOT NULL, applied_us BIGINT NOT NULL)"
+    )
+    row = tx.fetchone("SELECT MAX(version) FROM schema_version")
+    current = 0 if row is None or row[0] is None else int(row[0])
+    files = _migration_files(folder)
+    if current > len(files):
+        raise RuntimeError(
+            f"the database has schema version {current} but this rngcoord knows only up to "
+            f"{len(files)}: upgrade rngcoord"
+        )
+    for version, name, script in files[current:]:
+        for statement in split_sql(script):
+            tx.execute(statement)
+        tx.execute(
+            "INSERT INTO schema_version (version, name, applied_us) VALUES (?, ?, ?)",
+            (version, name, time.time_ns() // 1000),
+        )
+    return len(files)
