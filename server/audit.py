@@ -1,0 +1,180 @@
+"""The audit log: an append-only SHA-256 hash chain written in the state change's transaction.
+
+Record `id` counts from 1 without gaps. Each record's hash is the hex SHA-256 of the canonical
+JSON (sorted keys, no spaces) of {"id", "ts_us", "job", "group", "kind", "actor", "detail",
+"prev_hash"}, where `prev_hash` is the previous record's hash ("0" * 64 for the first). The
+one-row table `audit_head` holds the last id and hash; `append` reads and advances it in the
+caller's transaction, so the chain stays linear under concurrent writers (on PostgreSQL the
+backend locks that row when the transaction begins).
+
+Kinds: job, group, epoch, grant, divergence, restore, leave, join_timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rngcoord.server.store import Tx
+
+__all__ = [
+    "GENESIS_HASH",
+    "KINDS",
+    "AuditRecord",
+    "append",
+    "canonical_json",
+    "fetch_page",
+    "record_hash",
+]
+
+GENESIS_HASH = "0" * 64
+"""The `prev_hash` of record 1."""
+
+KINDS = ("job", "group", "epoch", "grant", "divergence", "restore", "leave", "join_timeout")
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRecord:
+    """One record of the chain.
+
+    Args:
+        id: position in the chain, from 1.
+        ts_us: Unix time in microseconds when it was written.
+        job: the job it concerns.
+        group: the group it concerns ("" for a job record).
+        kind: one of `KINDS`.
+        actor: who caused it, for example "rank 1 member m-abc @ ipv4:10.0.0.7:5123".
+        detail: what happened; its canonical JSON is what the hash covers.
+        prev_hash: the previous record's hash.
+        hash: this record's hash, `record_hash` of the fields above.
+    """
+
+    id: int
+    ts_us: int
+    job: str
+    group: str
+    kind: str
+    actor: str
+    detail: dict[str, Any]
+    prev_hash: str
+    hash: str
+
+
+def canonical_json(value: object) -> str:
+    """JSON with sorted keys, no spaces and ASCII escapes: the form stored and hashed."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def record_hash(
+    *,
+    id: int,
+    ts_us: int,
+    job: str,
+    group: str,
+    kind: str,
+    actor: str,
+    detail: dict[str, Any],
+    prev_hash: str,
+) -> str:
+    """The hex SHA-256 that chains a record to its predecessor."""
+    body = {
+        "id": id,
+        "ts_us": ts_us,
+        "job": job,
+        "group": group,
+        "kind": kind,
+        "actor": actor,
+        "detail": detail,
+        "prev_hash": prev_hash,
+    }
+    return hashlib.sha256(canonical_json(body).encode("utf-8")).hexdigest()
+
+
+def append(
+    tx: Tx, *, ts_us: int, job: str, group: str, kind: str, actor: str, detail: dict[str, Any]
+) -> int:
+    """Append a record inside the caller's write transaction and return its id."""
+    head = tx.fetchone("SELECT last_id, last_hash FROM audit_head WHERE id = 1")
+    if head is None:
+        raise RuntimeError("audit_head has no row: the schema migration did not run")
+    record_id, prev_hash = int(head[0]) + 1, str(head[1])
+    digest = record_hash(
+        id=record_id,
+        ts_us=ts_us,
+        job=job,
+        group=group,
+        kind=kind,
+        actor=actor,
+        detail=detail,
+        prev_hash=prev_hash,
+    )
+    tx.execute(
+        "INSERT INTO audit (id, ts_us, job, grp, kind, actor, detail, prev_hash, hash) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (record_id, ts_us, job, group, kind, actor, canonical_json(detail), prev_hash, digest),
+    )
+    tx.execute("UPDATE audit_head SET last_id = ?, last_hash = ? WHERE id = 1", (record_id, digest))
+    return record_id
+
+
+def fetch_page(
+    tx: Tx,
+    *,
+    after_id: int = 0,
+    limit: int = 500,
+    job: str = "",
+    group: str = "",
+    kinds: Sequence[str] = (),
+    since_us: int = 0,
+    until_us: int = 0,
+) -> list[AuditRecord]:
+    """Up to `limit` records with id > `after_id` that pass the filters, oldest first.
+
+    Args:
+        tx: an open transaction.
+        after_id: return records after this id. Default 0 (from the start).
+        limit: most records returned. Default 500.
+        job: only this job; "" for every job. Default "".
+        group: only this group; "" for every group. Default "".
+        kinds: only these kinds; empty for every kind. Default ().
+        since_us: only records with ts_us >= since_us; 0 for no lower bound. Default 0.
+        until_us: only records with ts_us < until_us; 0 for no upper bound. Default 0.
+    """
+    where = ["id > ?"]
+    params: list[object] = [after_id]
+    for column, value in (("job", job), ("grp", group)):
+        if value:
+            where.append(f"{column} = ?")
+            params.append(value)
+    if kinds:
+        where.append(f"kind IN ({', '.join('?' for _ in kinds)})")
+        params.extend(kinds)
+    if since_us:
+        where.append("ts_us >= ?")
+        params.append(since_us)
+    if until_us:
+        where.append("ts_us < ?")
+        params.append(until_us)
+    params.append(limit)
+    rows = tx.fetchall(
+        "SELECT id, ts_us, job, grp, kind, actor, detail, prev_hash, hash FROM audit "
+        f"WHERE {' AND '.join(where)} ORDER BY id LIMIT ?",
+        params,
+    )
+    return [
+        AuditRecord(
+            id=int(row[0]),
+            ts_us=int(row[1]),
+            job=row[2],
+            group=row[3],
+            kind=row[4],
+            actor=row[5],
+            detail=json.loads(row[6]),
+            prev_hash=row[7],
+            hash=row[8],
+        )
+        for row in rows
+    ]
