@@ -1,0 +1,420 @@
+"""The `rngcoord` command line: serve, audit, verify and demo.
+
+Exit status: 0 on success; 1 when `verify` finds a problem; 2 for a usage error or when the
+command cannot run (an unreadable database, an address that cannot be bound, a bad token
+file). Flags take their defaults from environment variables where the table in README.md
+names one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TextIO
+
+from rngcoord.server.audit import AuditRecord
+
+DEFAULT_LISTEN = "0.0.0.0:29520"
+DEFAULT_DB = "sqlite:///rngcoord.db"
+DEFAULT_METRICS = "0.0.0.0:9464"
+# The table sizes its columns from the first rows, then streams the rest at those widths.
+_TABLE_SAMPLE = 1000
+_MAX_COLUMN = 40
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command: Callable[[argparse.Namespace], int] = args.run
+    try:
+        return command(args)
+    except BrokenPipeError:
+        # `rngcoord audit | head` closed our stdout; that is not an error of ours.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (OSError, ValueError) as exc:
+        print(f"rngcoord {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; defaults are read from the environment when it is built."""
+    env = os.environ
+    parser = argparse.ArgumentParser(
+        prog="rngcoord",
+        description="Seed and Philox offset authority for distributed PyTorch.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run `rngcoord COMMAND --help` for the flags of a command.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the coordinator gRPC server",
+        description="Run the coordinator until SIGTERM or SIGINT, then drain and exit 0.",
+    )
+    serve.add_argument(
+        "--listen",
+        default=env.get("RNGCOORD_LISTEN", DEFAULT_LISTEN),
+        metavar="HOST:PORT",
+        help=f"gRPC listen address; port 0 picks one (env RNGCOORD_LISTEN; "
+        f"default {DEFAULT_LISTEN})",
+    )
+    _add_db(serve, env)
+    serve.add_argument(
+        "--metrics",
+        default=env.get("RNGCOORD_METRICS", DEFAULT_METRICS),
+        metavar="HOST:PORT|off",
+        help=f"Prometheus HTTP listen address, or `off` (env RNGCOORD_METRICS; "
+        f"default {DEFAULT_METRICS})",
+    )
+    serve.add_argument(
+        "--tokens",
+        type=Path,
+        default=_env_path(env, "RNGCOORD_TOKENS"),
+        metavar="FILE",
+        help="token file, lines `JOB TOKEN`; job `*` is the admin (env RNGCOORD_TOKENS; "
+        "default: no authentication, logged as a warning)",
+    )
+    serve.add_argument(
+        "--tls-cert",
+        type=Path,
+        default=_env_path(env, "RNGCOORD_TLS_CERT"),
+        metavar="PEM",
+        help="server certificate chain; turns TLS on (env RNGCOORD_TLS_CERT; default off)",
+    )
+    serve.add_argument(
+        "--tls-key",
+        type=Path,
+        default=_env_path(env, "RNGCOORD_TLS_KEY"),
+        metavar="PEM",
+        help="server private key (env RNGCOORD_TLS_KEY)",
+    )
+    serve.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        default=_env_path(env, "RNGCOORD_TLS_CLIENT_CA"),
+        metavar="PEM",
+        help="CA bundle for client certificates; turns mTLS on (env RNGCOORD_TLS_CLIENT_CA; "
+        "default off)",
+    )
+    serve.add_argument(
+        "--ready-file",
+        type=Path,
+        metavar="FILE",
+        help="write the bound HOST:PORT here once serving (default: none)",
+    )
+    serve.add_argument(
+        "--join-timeout",
+        type=_positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="JoinGroup wait when the request sets no timeout (default 60)",
+    )
+    serve.add_argument(
+        "--grace",
+        type=_non_negative_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long in-flight RPCs may finish after SIGTERM (default 10)",
+    )
+    serve.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="lowest level of the JSON log lines on stderr (default INFO)",
+    )
+    serve.set_defaults(run=_serve)
+
+    audit = sub.add_parser(
+        "audit",
+        help="print the audit log",
+        description="Print audit records, oldest first, as a table or as JSON lines. "
+        "TIME is ISO 8601 (UTC unless it names a zone) or Unix seconds.",
+    )
+    _add_db(audit, env)
+    audit.add_argument("--job", default="", help="only this job (default: all)")
+    audit.add_argument("--group", default="", help="only this group (default: all)")
+    audit.add_argument(
+        "--kind",
+        action="append",
+        default=[],
+        metavar="KIND",
+        help="only this kind (job, group, epoch, grant, divergence, restore, leave); "
+        "repeat for several (default: all)",
+    )
+    audit.add_argument("--since", type=_time_us, default=0, metavar="TIME", help="from TIME on")
+    audit.add_argument("--until", type=_time_us, default=0, metavar="TIME", help="up to TIME")
+    audit.add_argument(
+        "--limit", type=_non_negative_int, default=0, help="at most N records (default 0: all)"
+    )
+    audit.add_argument("--json", action="store_true", help="one JSON object per line")
+    audit.set_defaults(run=_audit)
+
+    verify = sub.add_parser(
+        "verify",
+        help="check the audit chain and that no offsets were granted twice",
+        description="Check the hash chain, that leases and grant records match, and that no "
+        "two grants of a group overlap except through a recorded Restore. Exit 0 when all "
+        "holds, else print each problem and exit 1.",
+    )
+    _add_db(verify, env)
+    verify.set_defaults(run=_verify)
+
+    demo = sub.add_parser(
+        "demo",
+        help="run a local tensor-parallel training demo against a fresh coordinator",
+        description="Start a coordinator and a small multi-process training job with dropout "
+        "on CPU, then show that the ranks agree.",
+    )
+    demo.add_argument(
+        "--workers", type=_positive_int, default=4, help="training processes (default 4)"
+    )
+    demo.add_argument("--steps", type=_positive_int, default=6, help="training steps (default 6)")
+    demo.add_argument(
+        "--keep-dir",
+        action="store_true",
+        help="keep the demo's working directory (database, logs) instead of deleting it",
+    )
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    # Imported here so that `audit` and `verify` do not pay for the gRPC server's imports.
+    from rngcoord.server.app import TLSConfig, serve
+
+    tls: TLSConfig | None = None
+    if args.tls_cert is not None or args.tls_key is not None:
+        if args.tls_cert is None or args.tls_key is None:
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_client_ca)
+    elif args.tls_client_ca is not None:
+        raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
+    metrics = None if args.metrics.strip().lower() == "off" else args.metrics
+    return serve(
+        args.listen,
+        args.db,
+        metrics_listen=metrics,
+        tokens=args.tokens,
+        tls=tls,
+        ready_file=args.ready_file,
+        grace_s=args.grace,
+        join_timeout_s=args.join_timeout,
+        log_level=args.log_level,
+    )
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from rngcoord.server.coordinator import Coordinator
+    from rngcoord.server.store import open_store
+
+    _require_existing(args.db)
+    store = open_store(args.db)
+    try:
+        records = Coordinator(store).list_audit(
+            job=args.job,
+            group=args.group,
+            kinds=tuple(args.kind),
+            since_us=args.since,
+            until_us=args.until,
+            limit=args.limit,
+        )
+        if args.json:
+            for rec in records:
+                print(json.dumps(audit_json(rec), sort_keys=True, separators=(",", ":")))
+        else:
+            print_table(records, sys.stdout)
+    finally:
+        store.close()
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from rngcoord.server.store import open_store
+    from rngcoord.server.verify import verify
+
+    _require_existing(args.db)
+    store = open_store(args.db)
+    try:
+        report = verify(store, progress=_Progress(sys.stderr))
+    finally:
+        store.close()
+    for problem in report.problems:
+        print(f"problem: {problem}")
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
+class _Progress:
+    """Prints "verify: N/M records checked" to `out` at most once a second, for long chains."""
+
+    def __init__(self, out: TextIO, min_records: int = 10_000, every_s: float = 1.0) -> None:
+        self._out = out
+        self._min_records = min_records
+        self._every_s = every_s
+        self._last = time.monotonic()
+
+    def __call__(self, checked: int, total: int) -> None:
+        now = time.monotonic()
+        if total >= self._min_records and (now - self._last >= self._every_s or checked == total):
+            self._last = now
+            print(f"verify: {checked}/{total} records checked", file=self._out, flush=True)
+
+
+def _require_existing(db_url: str) -> None:
+    """Refuse a SQLite URL whose file is missing: opening it would create an empty store."""
+    if db_url.startswith("sqlite:///"):
+        path = Path(db_url.removeprefix("sqlite:///"))
+        if not path.exists():
+            raise FileNotFoundError(f"no database at {path} (from --db {db_url})")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    # The demo imports torch; nothing else in the server may, so it loads only when asked for.
+    demo = importlib.import_module("rngcoord.server.demo")
+    status: int = demo.main(args)
+    return status
+
+
+def audit_json(rec: AuditRecord) -> dict[str, object]:
+    """One audit record as a JSON-ready dict; `detail` stays an object, `time` is added."""
+    return {
+        "id": rec.id,
+        "ts_us": rec.ts_us,
+        "time": _format_time(rec.ts_us),
+        "job": rec.job,
+        "group": rec.group,
+        "kind": rec.kind,
+        "actor": rec.actor,
+        "detail": rec.detail,
+        "prev_hash": rec.prev_hash,
+        "hash": rec.hash,
+    }
+
+
+def print_table(records: Iterable[AuditRecord], out: TextIO) -> None:
+    """Print records as an aligned table: ID TIME JOB GROUP KIND ACTOR DETAIL.
+
+    Column widths come from the first rows (capped); a longer cell later is cut with "…".
+    DETAIL, the last column, is never cut.
+    """
+    header = ("ID", "TIME (UTC)", "JOB", "GROUP", "KIND", "ACTOR", "DETAIL")
+    it = iter(records)
+    sample: list[tuple[str, ...]] = []
+    for rec in it:
+        sample.append(_row(rec))
+        if len(sample) == _TABLE_SAMPLE:
+            break
+    if not sample:
+        print("no audit records match", file=out)
+        return
+    widths = [
+        min(_MAX_COLUMN, max(len(r[i]) for r in [header, *sample])) for i in range(len(header) - 1)
+    ]
+    print(_format_row(header, widths), file=out)
+    for row in sample:
+        print(_format_row(row, widths), file=out)
+    for rec in it:
+        print(_format_row(_row(rec), widths), file=out)
+
+
+def _row(rec: AuditRecord) -> tuple[str, ...]:
+    detail = " ".join(
+        f"{k}={v if isinstance(v, str | int) else json.dumps(v, separators=(',', ':'))}"
+        for k, v in sorted(rec.detail.items())
+    )
+    return (
+        str(rec.id),
+        _format_time(rec.ts_us),
+        rec.job,
+        rec.group,
+        rec.kind,
+        rec.actor,
+        detail,
+    )
+
+
+def _format_row(row: tuple[str, ...], widths: list[int]) -> str:
+    cells = []
+    for i, width in enumerate(widths):
+        cell = row[i] if len(row[i]) <= width else row[i][: width - 1] + "…"
+        cells.append(cell.rjust(width) if i == 0 else cell.ljust(width))
+    cells.append(row[-1])
+    return "  ".join(cells).rstrip()
+
+
+def _format_time(ts_us: int) -> str:
+    return datetime.fromtimestamp(ts_us / 1e6, UTC).isoformat(timespec="milliseconds")
+
+
+def _add_db(parser: argparse.ArgumentParser, env: os._Environ[str]) -> None:
+    parser.add_argument(
+        "--db",
+        default=env.get("RNGCOORD_DB", DEFAULT_DB),
+        metavar="URL",
+        help=f"store URL, sqlite:///PATH or postgresql://USER@HOST/DB (env RNGCOORD_DB; "
+        f"default {DEFAULT_DB})",
+    )
+
+
+def _env_path(env: os._Environ[str], name: str) -> Path | None:
+    value = env.get(name)
+    return Path(value) if value else None
+
+
+def _time_us(text: str) -> int:
+    """Parse ISO 8601 (UTC unless it carries an offset) or Unix seconds into microseconds."""
+    try:
+        return round(float(text) * 1_000_000)
+    except ValueError:
+        pass
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither ISO 8601 (2024-05-01T12:00:00) nor Unix seconds"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return round(when.timestamp() * 1_000_000)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Structured logging for the coordinator server: one JSON object per line on stderr.
+
+Every line has `ts` (UTC, ISO 8601 with microseconds), `level`, `logger`, `event` (a short
+snake_case name for what happened) and `fields` (the event's details). A logged exception adds
+`exc` with the formatted traceback. Log with `event(logger, level, "name", key=value, ...)`.
+
+The servicer logs nothing per request at INFO: requests are counted in metrics instead, and
+only failures the caller cannot explain (INTERNAL) are logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import IO, Any
+
+LOGGER_NAME = "rngcoord"
+
+
+class JsonFormatter(logging.Formatter):
+    """Formats a record as one JSON object; `extra={"fields": {...}}` supplies the fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="microseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "event": record.getMessage(),
+            "fields": getattr(record, "fields", {}),
+        }
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        # default=str: a field that is not JSON (a path, an exception) still logs readably.
+        return json.dumps(line, default=str, separators=(",", ":"))
+
+
+def configure(level: int | str = logging.INFO, stream: IO[str] | None = None) -> logging.Logger:
+    """Send the `rngcoord` loggers to `stream` as JSON lines and return the root one.
+
+    Args:
+        level: the lowest level logged. Default INFO.
+        stream: where lines go. Default: sys.stderr at the time of the call.
+
+    Calling it again replaces the previous handler, so it never logs a line twice.
+    """
+    logger = logging.getLogger(LOGGER_NAME)
+    for old in list(logger.handlers):
+        logger.removeHandler(old)
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    # Lines stay JSON-only: nothing propagates to a root logger with another format.
+    logger.propagate = False
+    return logger
+
+
+def get_logger(name: str) -> logging.Logger:
+    """The logger `rngcoord.<name>`."""
+    return logging.getLogger(f"{LOGGER_NAME}.{name}")
+
+
+def event(
+    logger: logging.Logger,
+    level: int,
+    name: str,
+    *,
+    exc_info: bool = False,
+    **fields: object,
+) -> None:
+    """Log the event `name` with `fields`; `exc_info=True` attaches the current exception."""
+    if logger.isEnabledFor(level):
+        logger.log(level, name, extra={"fields": fields}, exc_info=exc_info)

@@ -1,0 +1,209 @@
+"""Operations surface of `rngcoord serve`: health, reflection, metrics, tokens, TLS, drain, logs.
+
+Each test runs a real server subprocess and talks to it the way an operator's tools would
+(grpc.health.v1, server reflection, Prometheus scrape, bearer tokens, TLS and mTLS
+certificates made by the openssl CLI, SIGTERM).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from conftest import CoordinatorFactory, CoordinatorProcess, join_all, wait_for_group
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+from rngcoord.v1 import coordinator_pb2 as pb
+from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
+
+JOB = "ops"
+SERVICE = "rngcoord.v1.Coordinator"
+
+
+def _reserve(seq: int, member: str, *, job: str = JOB, size: int = 64) -> pb.ReserveRequest:
+    return pb.ReserveRequest(
+        job=job,
+        group="g",
+        epoch=1,
+        seq=seq,
+        size=size,
+        fingerprint=b"fp",
+        rank=0,
+        member_id=member,
+    )
+
+
+def test_health_reports_serving_and_reflection_lists_the_services(
+    coordinator: CoordinatorProcess,
+) -> None:
+    assert coordinator.health() == "SERVING"
+    assert coordinator.health(SERVICE) == "SERVING"
+    stub = reflection_pb2_grpc.ServerReflectionStub(coordinator.channel())
+    replies = list(
+        stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+        )
+    )
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert {SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+
+
+def test_metrics_count_grants_hits_divergences_and_errors(
+    coordinator_factory: CoordinatorFactory,
+) -> None:
+    server = coordinator_factory(args=["--metrics", "127.0.0.1:0"])
+    (serving,) = [e for e in server.log_events() if e["event"] == "serving"]
+    metrics_url = f"http://{serving['fields']['metrics']}/metrics"
+    stub = server.stub()
+    member = join_all(stub, JOB, "g", 1)[0].members[0]
+    for seq in range(3):
+        stub.Reserve(_reserve(seq, member), timeout=10)
+    for seq in range(2):
+        assert stub.Reserve(_reserve(seq, member), timeout=10).existing
+    with pytest.raises(grpc.RpcError):
+        stub.Reserve(_reserve(0, member, size=128), timeout=10)  # divergence
+    with pytest.raises(grpc.RpcError):
+        stub.GetGroup(pb.GetGroupRequest(job=JOB, group="nope"), timeout=10)
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("rngcoord_grants_total", ())] == 3
+    assert samples[("rngcoord_hits_total", ())] == 2
+    assert samples[("rngcoord_divergences_total", ())] == 1
+    assert samples[("rngcoord_errors_total", (("code", "FAILED_PRECONDITION"),))] == 1
+    assert samples[("rngcoord_errors_total", (("code", "NOT_FOUND"),))] == 1
+    assert samples[("rngcoord_rpc_seconds_count", (("method", "Reserve"),))] == 6
+    assert samples[("rngcoord_rpc_seconds_count", (("method", "JoinGroup"),))] == 1
+
+
+def test_bearer_tokens_are_checked_per_job(
+    coordinator_factory: CoordinatorFactory, tmp_path: Path
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# job token\nops   ops-secret\nother other-secret\n*     admin-secret\n")
+    server = coordinator_factory(args=["--tokens", str(tokens)])
+    stub = server.stub()
+
+    def call(method: str, request: Any, token: str | None) -> Any:
+        metadata = [("authorization", f"Bearer {token}")] if token is not None else []
+        return getattr(stub, method)(request, metadata=metadata, timeout=10)
+
+    join = pb.JoinGroupRequest(job=JOB, group="g", rank=0, world_size=1, member_id="m0")
+    for token in (None, "other-secret", "ops-secret-", "OPS-SECRET"):
+        with pytest.raises(grpc.RpcError) as refused:
+            call("JoinGroup", join, token)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert refused.value.details() == "missing or wrong bearer token for job 'ops'"
+    assert call("JoinGroup", join, "ops-secret").epoch == 1
+    assert not call("Reserve", _reserve(0, "m0"), "ops-secret").existing
+    # The admin token is good for every job.
+    assert call("Reserve", _reserve(0, "m0"), "admin-secret").existing
+    # Reading the whole audit log, across jobs, needs the admin token.
+    with pytest.raises(grpc.RpcError) as refused:
+        list(call("ListAudit", pb.ListAuditRequest(), "ops-secret"))
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert list(call("ListAudit", pb.ListAuditRequest(job=JOB), "ops-secret"))
+    assert list(call("ListAudit", pb.ListAuditRequest(), "admin-secret"))
+    # Health checks need no token.
+    assert server.health() == "SERVING"
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def _make_certificates(workdir: Path) -> dict[str, Path]:
+    """A self-signed CA, a server certificate for localhost/127.0.0.1 and a client one."""
+    if subprocess.run(["openssl", "version"], capture_output=True, check=False).returncode:
+        pytest.skip("the openssl CLI is needed to make test certificates")
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+             "-subj", "/CN=rngcoord test CA", cwd=workdir)  # fmt: skip
+    for name, ext in (
+        ("server", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"),
+        ("client", "extendedKeyUsage=clientAuth\n"),
+    ):
+        (workdir / f"{name}.ext").write_text(ext)
+        _openssl("req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", f"/CN=rngcoord test {name}", cwd=workdir)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-days", "1", "-extfile", f"{name}.ext",
+                 "-out", f"{name}.pem", cwd=workdir)  # fmt: skip
+    return {p.stem + p.suffix: p for p in workdir.iterdir()}
+
+
+def _tls_call(server: CoordinatorProcess, credentials: grpc.ChannelCredentials) -> int:
+    stub = pb_grpc.CoordinatorStub(server.channel(credentials))
+    reply = stub.JoinGroup(
+        pb.JoinGroupRequest(job=JOB, group="tls", rank=0, world_size=1, member_id="t0"),
+        timeout=10,
+    )
+    epoch: int = reply.epoch
+    return epoch
+
+
+def test_tls_and_mutual_tls(coordinator_factory: CoordinatorFactory, tmp_path: Path) -> None:
+    certs = _make_certificates(tmp_path)
+    ca = certs["ca.pem"].read_bytes()
+    tls_args = ["--tls-cert", str(certs["server.pem"]), "--tls-key", str(certs["server.key"])]
+
+    server = coordinator_factory(args=tls_args)
+    assert _tls_call(server, grpc.ssl_channel_credentials(root_certificates=ca)) == 1
+    with pytest.raises(grpc.RpcError) as plaintext:
+        server.stub().GetGroup(pb.GetGroupRequest(job=JOB, group="tls"), timeout=5)
+    assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    mtls = coordinator_factory(args=[*tls_args, "--tls-client-ca", str(certs["ca.pem"])])
+    with pytest.raises(grpc.RpcError) as anonymous:
+        _tls_call(mtls, grpc.ssl_channel_credentials(root_certificates=ca))
+    assert anonymous.value.code() == grpc.StatusCode.UNAVAILABLE
+    with_cert = grpc.ssl_channel_credentials(
+        root_certificates=ca,
+        private_key=certs["client.key"].read_bytes(),
+        certificate_chain=certs["client.pem"].read_bytes(),
+    )
+    assert _tls_call(mtls, with_cert) == 1
+
+
+def test_sigterm_lets_in_flight_rpcs_finish_then_exits_0(
+    coordinator: CoordinatorProcess,
+) -> None:
+    stub = coordinator.stub()
+    outcome: dict[str, grpc.RpcError] = {}
+
+    def join_that_times_out() -> None:
+        # Rank 1 never comes: the barrier ends with the server's own DEADLINE_EXCEEDED.
+        try:
+            stub.JoinGroup(
+                pb.JoinGroupRequest(
+                    job=JOB, group="drain", rank=0, world_size=2, member_id="d0", timeout_ms=1500
+                ),
+                timeout=30,
+            )
+        except grpc.RpcError as exc:
+            outcome["error"] = exc
+
+    in_flight = threading.Thread(target=join_that_times_out)
+    in_flight.start()
+    wait_for_group(stub, JOB, "drain")
+    assert coordinator.terminate() == 0
+    in_flight.join(timeout=30)
+    error = outcome["error"]
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "[1]" in (error.details() or ""), error.details()
+
+    events = [e["event"] for e in coordinator.log_events()]
+    assert events[-2:] == ["draining", "stopped"]
+    for line in coordinator.output().splitlines():
+        assert set(json.loads(line)) >= {"ts", "level", "logger", "event", "fields"}, line
