@@ -395,10 +395,7 @@ class Coordinator:
         )
         if isinstance(final, JoinResult):
             return final
-        raise JoinTimeout(
-            f"join of group {group!r} timed out after {timeout_s:g}s: ranks {_ranks(final)} "
-            f"of world size {world_size} did not join"
-        )
+        raise JoinTimeout(f"join of group {group!r} timed out after {timeout_s:g}s: {final}")
 
     @staticmethod
     def _check_job_seed(job: str, stored: int, asked: int | None) -> None:
@@ -488,7 +485,7 @@ class Coordinator:
                 return current
 
         tx.execute(
-            "DELETE FROM pending_joins WHERE job = ? AND grp = ? AND expires_us < ?",
+            "DELETE FROM pending_joins WHERE job = ? AND grp = ? AND expires_us <= ?",
             (job, group, now),
         )
         others = tx.fetchall(
@@ -557,22 +554,33 @@ class Coordinator:
         base_epoch: int,
         timeout_s: float,
         actor: str,
-    ) -> JoinResult | list[int]:
+    ) -> JoinResult | str:
         """Withdraw the caller's pending join; return the epoch if it formed after all, else
-        the ranks still missing."""
+        why the barrier did not complete.
+
+        The caller's row is withdrawn by expiring it rather than deleting it: no barrier counts
+        it any more (joins drop expired rows first), yet peers timing out at the same moment
+        still see that this rank did join, so they name only the ranks that never came.
+        """
         formed = self._joined_since(tx, job, group, rank, member_id, base_epoch)
         if formed is not None:
             return formed
+        g = _require_group(tx, job, group)
+        if g.epoch > base_epoch:
+            return f"epoch {g.epoch} formed without rank {rank} member {member_id!r}; rejoin"
         pending = tx.fetchall(
             "SELECT rank, member_id, world_size FROM pending_joins WHERE job = ? AND grp = ?",
             (job, group),
         )
+        holder = next((m for r, m, _ in pending if int(r) == rank), member_id)
+        if holder != member_id:
+            return f"rank {rank} is now joining as member {holder!r}, not {member_id!r}"
         present = {int(r) for r, _, ws in pending if int(ws) == world_size} | {rank}
         missing = [r for r in range(world_size) if r not in present]
-        if any(int(r) == rank and m == member_id for r, m, _ in pending):
+        if any(int(r) == rank for r, _, _ in pending):
             tx.execute(
-                "DELETE FROM pending_joins WHERE job = ? AND grp = ? AND rank = ?",
-                (job, group, rank),
+                "UPDATE pending_joins SET expires_us = ? WHERE job = ? AND grp = ? AND rank = ?",
+                (self._clock(), job, group, rank),
             )
             self._audit(
                 tx,
@@ -587,7 +595,7 @@ class Coordinator:
                     "timeout_s": timeout_s,
                 },
             )
-        return missing
+        return f"ranks {_ranks(missing)} of world size {world_size} did not join"
 
     # -------------------------------------------------------------------------- reserve
 
