@@ -1,0 +1,135 @@
+"""The `rngcoord` command line: audit output, verify exit codes, serve's refusals, help.
+
+The stores are filled through the real Coordinator in this process; the CLI runs as a
+subprocess (`python -m rngcoord.server.cli`), as a user would run it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+import sqlite3
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+from rngcoord.server.coordinator import Coordinator
+from rngcoord.server.store import open_store
+
+JOB = "cli-job"
+
+
+@pytest.fixture
+def filled(tmp_path: Path) -> str:
+    """A SQLite store with 2 groups: 1 job + 2 group + 2 epoch + 5 grant + 1 restore records."""
+    url = f"sqlite:///{tmp_path / 'filled.db'}"
+    store = open_store(url)
+    try:
+        coordinator = Coordinator(store)
+        for group, leases in (("tp", 3), ("dp", 2)):
+            coordinator.join(JOB, group, 0, 1, "m0", 7, None, "test")
+            for seq in range(leases):
+                coordinator.reserve(JOB, group, 1, seq, 1024, b"fp", 0, "m0", "test")
+        coordinator.restore(JOB, "tp", 1, 3, 0, 0, "m0", "test")
+    finally:
+        store.close()
+    return url
+
+
+def test_audit_prints_a_table(filled: str) -> None:
+    result = run_cli("audit", "--db", filled)
+    assert result.returncode == 0, result.stderr
+    header, *rows = result.stdout.splitlines()
+    assert header.split() == ["ID", "TIME", "(UTC)", "JOB", "GROUP", "KIND", "ACTOR", "DETAIL"]
+    assert len(rows) == 11
+    kinds = [row.split()[4] for row in rows[1:]]
+    assert kinds.count("grant") == 5 and kinds.count("restore") == 1
+    grant = next(row for row in rows if " grant " in row)
+    assert "start=0" in grant and "end=1024" in grant and "size=1024" in grant
+
+
+def test_audit_json_lines_and_filters(filled: str) -> None:
+    result = run_cli("audit", "--db", filled, "--json")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["id"] for r in records] == list(range(1, 12))
+    for previous, record in itertools.pairwise(records):
+        assert record["prev_hash"] == previous["hash"]
+    assert records[0]["prev_hash"] == "0" * 64
+    assert set(records[0]) == {
+        "id", "ts_us", "time", "job", "group", "kind", "actor", "detail", "prev_hash", "hash",
+    }  # fmt: skip
+    assert records[0]["detail"] == {"seed": 7}
+
+    grants = run_cli("audit", "--db", filled, "--json", "--kind", "grant", "--group", "tp")
+    lines = [json.loads(line) for line in grants.stdout.splitlines()]
+    assert [(r["kind"], r["group"], r["detail"]["seq"]) for r in lines] == [
+        ("grant", "tp", 0),
+        ("grant", "tp", 1),
+        ("grant", "tp", 2),
+    ]
+    limited = run_cli("audit", "--db", filled, "--json", "--kind", "grant", "--kind", "restore")
+    assert len(limited.stdout.splitlines()) == 6
+    two = run_cli("audit", "--db", filled, "--json", "--limit", "2")
+    assert [json.loads(line)["id"] for line in two.stdout.splitlines()] == [1, 2]
+    future = run_cli("audit", "--db", filled, "--since", "2999-01-01T00:00:00")
+    assert future.returncode == 0 and future.stdout.strip() == "no audit records match"
+    past = run_cli("audit", "--db", filled, "--json", "--until", "1000000000")
+    assert past.returncode == 0 and past.stdout == ""
+
+
+def test_verify_exits_0_when_intact_1_when_tampered_2_when_missing(
+    filled: str, tmp_path: Path
+) -> None:
+    ok = run_cli("verify", "--db", filled)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout.strip() == "ok: 11 records, 5 grants in 2 groups, chain intact, no overlaps"
+
+    # Rewriting history, even to something plausible, breaks the record's hash.
+    with sqlite3.connect(filled.removeprefix("sqlite:///")) as db:
+        db.execute("UPDATE audit SET actor = 'someone else' WHERE id = 6")
+    tampered = run_cli("verify", "--db", filled)
+    assert tampered.returncode == 1, tampered.stdout + tampered.stderr
+    assert "record 6" in tampered.stdout
+    assert tampered.stdout.splitlines()[-1].startswith("FAILED:")
+
+    missing = run_cli("verify", "--db", f"sqlite:///{tmp_path / 'absent.db'}")
+    assert missing.returncode == 2
+    assert "no database at" in missing.stderr
+    assert not (tmp_path / "absent.db").exists()
+
+
+def test_serve_refuses_a_bad_token_file_a_busy_port_and_half_a_tls_setup(
+    tmp_path: Path,
+) -> None:
+    db = ["--db", f"sqlite:///{tmp_path / 's.db'}", "--metrics", "off"]
+    tokens = tmp_path / "tokens"
+    tokens.write_text("job-a secret\njob-b\n")
+    bad_tokens = run_cli("serve", "--listen", "127.0.0.1:0", *db, "--tokens", str(tokens))
+    assert bad_tokens.returncode == 2
+    assert f"{tokens}:2: expected 'JOB TOKEN', got 1 fields" in bad_tokens.stderr
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        taken = run_cli("serve", "--listen", f"127.0.0.1:{port}", *db)
+    assert taken.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in taken.stderr
+
+    half = run_cli("serve", *db, "--tls-cert", str(tokens))
+    assert half.returncode == 2
+    assert "TLS needs both --tls-cert and --tls-key" in half.stderr
+
+
+@pytest.mark.parametrize("command", [[], ["serve"], ["audit"], ["verify"], ["demo"]])
+def test_help_reads_well(command: list[str]) -> None:
+    result = run_cli(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: rngcoord")
+    if command == ["serve"]:
+        for env in ("RNGCOORD_LISTEN", "RNGCOORD_DB", "RNGCOORD_METRICS", "RNGCOORD_TOKENS"):
+            assert env in result.stdout
+    if command == ["demo"]:
+        assert "--workers" in result.stdout and "--keep-dir" in result.stdout
