@@ -1,0 +1,381 @@
+"""The PostgreSQL store: several coordinator replicas sharing one database.
+
+Responsibilities:
+- Writes: one dedicated writer connection drives the shared `GroupCommitWriter`. Every write
+  transaction first locks the single `audit_head` row (`SELECT ... FOR UPDATE`). That lock
+  serialises writers across all replicas, so two replicas can never grant overlapping ranges
+  and the audit chain stays linear. Under READ COMMITTED, each statement after the lock sees
+  everything committed before it, so the operations' re-checks read the latest state.
+- Retries: serialization failures (40001), deadlocks (40P01) and lost connections abort the
+  batch, which runs again with bounded backoff (at most `max_attempts` times), then callers
+  get UNAVAILABLE. A broken writer connection is replaced before the next attempt. A
+  connection lost during COMMIT is different: the outcome is unknown, so the batch fails with
+  UNAVAILABLE and is not re-run (clients retry, and leases are idempotent).
+- Reads: a `psycopg_pool.ConnectionPool` of read-only REPEATABLE READ connections, so one read
+  sees one snapshot. Lost connections are retried the same bounded way.
+- Schema: server/migrations/postgres/NNN_*.sql, applied at open under a transaction-scoped
+  advisory lock, so replicas that start together migrate once.
+- SQL: the coordinator's portable SQL uses `?` placeholders; `convert_placeholders` turns them
+  into psycopg's `%s`.
+
+Only portable SQL runs on the request path. The advisory lock orders migrations and nothing
+else; correctness rests on the row lock and the retries, which Postgres-compatible distributed
+SQL engines provide too.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final, TypeVar
+
+import psycopg
+import psycopg.conninfo
+from psycopg import IsolationLevel
+from psycopg.pq import TransactionStatus
+from psycopg_pool import ConnectionPool, PoolTimeout
+from rngcoord.server.errors import Unavailable
+from rngcoord.server.groupcommit import GroupCommitWriter
+from rngcoord.server.store import Tx, apply_migrations
+
+__all__ = ["ISOLATION_LEVELS", "PostgresStore", "PostgresTx", "convert_placeholders"]
+
+T = TypeVar("T")
+
+ISOLATION_LEVELS: Final = ("read committed", "repeatable read", "serializable")
+"""The values `PostgresStore(isolation=...)` accepts (None keeps the server's default)."""
+
+MIGRATION_LOCK_KEY: Final = 0x726E67636F6F7264
+"""The advisory-lock key ("rngcoord" in ASCII) that orders concurrent migrations."""
+
+_LOCK_HEAD = "SELECT last_id FROM audit_head WHERE id = 1 FOR UPDATE"
+
+# SQLSTATEs after which a transaction may simply run again: serialization_failure,
+# deadlock_detected, and the server-side ways a session is ended (admin_shutdown,
+# crash_shutdown, cannot_connect_now). Connection exceptions (class 08) are matched by prefix.
+_RETRY_SQLSTATES: Final = frozenset({"40001", "40P01", "57P01", "57P02", "57P03"})
+
+
+@functools.lru_cache(maxsize=1024)
+def convert_placeholders(sql: str) -> str:
+    """Rewrite portable `?` placeholders to psycopg's `%s`, escaping literal `%` as `%%`.
+
+    A `?` inside a '...' literal, a "..." identifier or a comment is kept as it is. psycopg
+    reads `%` everywhere, literals included, so every `%` is doubled.
+
+    Example: `SELECT '?%', x FROM t WHERE a = ?` becomes `SELECT '?%%', x FROM t WHERE a = %s`.
+    """
+    out: list[str] = []
+    i, n = 0, len(sql)
+    while i < n:
+        ch = sql[i]
+        if ch in "'\"":
+            close = sql.find(ch, i + 1)
+            end = n if close < 0 else close + 1
+            # A doubled quote escapes itself: the scan resumes at the second quote, which
+            # reopens the literal, so no `?` inside it is ever taken for a placeholder.
+            out.append(sql[i:end].replace("%", "%%"))
+            i = end
+        elif sql.startswith("--", i):
+            newline = sql.find("\n", i)
+            end = n if newline < 0 else newline + 1
+            out.append(sql[i:end].replace("%", "%%"))
+            i = end
+        elif sql.startswith("/*", i):
+            close = sql.find("*/", i + 2)
+            end = n if close < 0 else close + 2
+            out.append(sql[i:end].replace("%", "%%"))
+            i = end
+        else:
+            out.append("%s" if ch == "?" else "%%" if ch == "%" else ch)
+            i += 1
+    return "".join(out)
+
+
+class PostgresTx:
+    """`Tx` over one psycopg connection; statements are written with `?` placeholders.
+
+    Args:
+        conn: the connection whose open transaction the statements run in.
+    """
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self._conn = conn
+
+    def execute(self, sql: str, params: Sequence[object] = ()) -> None:
+        self._conn.execute(convert_placeholders(sql), tuple(params))
+
+    def fetchone(self, sql: str, params: Sequence[object] = ()) -> tuple[Any, ...] | None:
+        row: tuple[Any, ...] | None = self._conn.execute(
+            convert_placeholders(sql), tuple(params)
+        ).fetchone()
+        return row
+
+    def fetchall(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        return self._conn.execute(convert_placeholders(sql), tuple(params)).fetchall()
+
+
+class _CommitOutcomeUnknown(Exception):
+    """The connection broke during COMMIT: the transaction may or may not have committed."""
+
+
+def _is_retryable(exc: BaseException) -> bool:
+    """True when the failed transaction certainly did not commit and may run again."""
+    if isinstance(exc, PoolTimeout) or not isinstance(exc, psycopg.Error):
+        return False
+    state = exc.sqlstate
+    if state is None:
+        # Raised by the driver itself: the connection was lost (or never made).
+        return isinstance(exc, psycopg.OperationalError)
+    return state in _RETRY_SQLSTATES or state.startswith("08")
+
+
+def _redact(url: str) -> str:
+    """The URL's user, host, port and database, without the password, for messages."""
+    try:
+        params = psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return "postgresql://<unparsable URL>"
+    user = f"{params['user']}@" if params.get("user") else ""
+    port = f":{params['port']}" if params.get("port") else ""
+    return f"postgresql://{user}{params.get('host', '')}{port}/{params.get('dbname', '')}"
+
+
+class PostgresStore:
+    """A `Store` on a PostgreSQL database, safe to share between coordinator replicas.
+
+    The schema is created or upgraded on open. Durability comes from the server: the writer
+    session sets `synchronous_commit = on`, so a commit returns after its WAL is flushed.
+
+    Args:
+        url: a libpq connection URL, `postgresql://USER[:PASSWORD]@HOST[:PORT]/DB[?...]`.
+        isolation: the writer's isolation level, one of `ISOLATION_LEVELS`, or None for the
+            server's default (READ COMMITTED on PostgreSQL; SERIALIZABLE on CockroachDB).
+            Every level is correct: the `audit_head` lock orders writers, and conflicts that a
+            stricter level reports are retried. Default None.
+        min_readers: reader connections kept open. Default 1.
+        max_readers: most reader connections; reads beyond that wait for one. Default 16.
+        max_batch: most write operations per transaction. Default 256.
+        max_attempts: most runs of a write batch, or of a read, when the database asks for a
+            retry or the connection drops. Default 5.
+        backoff_s: delay before the second attempt; it doubles on each further one, with
+            jitter. Default 0.02.
+        connect_timeout_s: how long opening the store, or a read waiting for a free
+            connection, may take before failing. Default 10.
+
+    Raises:
+        ConnectionError: the database cannot be reached when the store opens.
+        ValueError: `isolation` is not one of `ISOLATION_LEVELS`.
+    """
+
+    dialect = "postgresql"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        isolation: str | None = None,
+        min_readers: int = 1,
+        max_readers: int = 16,
+        max_batch: int = 256,
+        max_attempts: int = 5,
+        backoff_s: float = 0.02,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        if isolation is not None and isolation not in ISOLATION_LEVELS:
+            raise ValueError(
+                f"isolation must be one of {', '.join(ISOLATION_LEVELS)} or None; got {isolation!r}"
+            )
+        self.url = _redact(url)
+        self._conninfo = url
+        self._begin_sql = "BEGIN" if isolation is None else f"BEGIN ISOLATION LEVEL {isolation}"
+        self._max_attempts = max_attempts
+        self._backoff_s = backoff_s
+        self._connect_timeout_s = connect_timeout_s
+        self._closed = False
+        self._close_lock = threading.Lock()
+        # application_name tells an operator (and pg_stat_activity) which session is which,
+        # unless the URL names one already.
+        self._name_sessions = "application_name" not in psycopg.conninfo.conninfo_to_dict(url)
+
+        self._conn: psycopg.Connection[Any] | None = None
+        try:
+            self._migrate()
+        except psycopg.Error as exc:
+            self._close_writer_connection()
+            raise ConnectionError(f"cannot open the store at {self.url}: {exc}") from exc
+        self._pool = ConnectionPool(
+            url,
+            min_size=min_readers,
+            max_size=max_readers,
+            kwargs=self._connect_kwargs("rngcoord-reader"),
+            configure=_configure_reader,
+            timeout=connect_timeout_s,
+            name="rngcoord-readers",
+            open=False,
+        )
+        try:
+            self._pool.open(wait=True, timeout=connect_timeout_s)
+        except PoolTimeout as exc:
+            self._pool.close()
+            self._close_writer_connection()
+            raise ConnectionError(
+                f"cannot open reader connections to {self.url} within {connect_timeout_s}s: {exc}"
+            ) from exc
+        self._writer = GroupCommitWriter(
+            begin=self._begin,
+            commit=self._commit,
+            rollback=self._rollback,
+            is_retryable=_is_retryable,
+            name="rngcoord-postgres-writer",
+            max_batch=max_batch,
+            max_attempts=max_attempts,
+            backoff_s=backoff_s,
+        )
+
+    # ------------------------------------------------------------------------ connections
+
+    def _connect_kwargs(self, name: str) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"connect_timeout": max(1, round(self._connect_timeout_s))}
+        if self._name_sessions:
+            kwargs["application_name"] = name
+        return kwargs
+
+    def _writer_connection(self) -> psycopg.Connection[Any]:
+        """The writer's connection, replaced by a new one when the old one broke."""
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken:
+            self._close_writer_connection()
+            # autocommit: the writer issues BEGIN, SAVEPOINT and COMMIT itself.
+            conn = psycopg.connect(
+                self._conninfo, autocommit=True, **self._connect_kwargs("rngcoord-writer")
+            )
+            # A grant must be on stable storage before the reply leaves (invariant 3), whatever
+            # the server's default says.
+            conn.execute("SET synchronous_commit TO on")
+            self._conn = conn
+        return conn
+
+    def _close_writer_connection(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _migrate(self) -> None:
+        """Apply pending migrations in one transaction; replicas starting at once take turns.
+
+        The transaction is READ COMMITTED whatever the server's default, so that once the
+        advisory lock is ours, `apply_migrations` sees the schema another replica just
+        committed and skips what it applied.
+        """
+        conn = self._writer_connection()
+        conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+        try:
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+            apply_migrations(PostgresTx(conn), "postgres")
+            conn.execute("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+
+    # ------------------------------------------------------------------------- writes
+
+    def _begin(self) -> PostgresTx:
+        conn = self._writer_connection()
+        conn.execute(self._begin_sql)
+        conn.execute(_LOCK_HEAD)
+        return PostgresTx(conn)
+
+    def _commit(self) -> None:
+        # Never `_writer_connection()` here: a fresh connection would have no transaction to
+        # commit, and the COMMIT would "succeed" with nothing written.
+        conn = self._conn
+        if conn is None:
+            raise _CommitOutcomeUnknown(f"no connection to {self.url} to commit on")
+        try:
+            conn.execute("COMMIT")
+        except psycopg.Error as exc:
+            if conn.broken:
+                raise _CommitOutcomeUnknown(
+                    f"the connection to {self.url} was lost during COMMIT, so the writes may "
+                    f"or may not have committed; retry the request ({exc})"
+                ) from exc
+            raise
+
+    def _rollback(self) -> None:
+        conn = self._conn
+        if conn is None or conn.closed:
+            return
+        if conn.broken:
+            self._close_writer_connection()
+            return
+        try:
+            if conn.info.transaction_status != TransactionStatus.IDLE:
+                conn.execute("ROLLBACK")
+        except psycopg.Error:
+            # The session is in no state to reuse; the next attempt connects afresh.
+            self._close_writer_connection()
+
+    def write(self, fn: Callable[[Tx], T]) -> T:
+        """Run `fn` in the next group commit; durable (WAL flushed) on return.
+
+        Raises:
+            Unavailable: the batch could not commit, even after retries.
+        """
+        return self._writer.submit(fn)
+
+    # -------------------------------------------------------------------------- reads
+
+    def read(self, fn: Callable[[Tx], T]) -> T:
+        """Run `fn` in a read-only snapshot on a pooled connection.
+
+        Raises:
+            Unavailable: the store is closed, no connection came free within
+                `connect_timeout_s`, or the database stayed unreachable over every attempt.
+        """
+        attempt = 1
+        while True:
+            if self._closed:
+                raise Unavailable("store is closed")
+            try:
+                with self._pool.connection() as conn:
+                    return fn(PostgresTx(conn))
+            except PoolTimeout as exc:
+                raise Unavailable(
+                    f"no database connection to {self.url} came free within "
+                    f"{self._connect_timeout_s}s: {exc}"
+                ) from exc
+            except psycopg.Error as exc:
+                if not _is_retryable(exc):
+                    raise
+                if attempt == self._max_attempts:
+                    raise Unavailable(
+                        f"store read failed {attempt} times, giving up: {exc}"
+                    ) from exc
+            # After a server restart every idle connection is dead: drop them all now rather
+            # than spend one attempt on each.
+            self._pool.check()
+            time.sleep(self._backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
+            attempt += 1
+
+    # -------------------------------------------------------------------------- close
+
+    def close(self) -> None:
+        """Finish queued writes, then close every connection. Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._writer.close()
+        self._pool.close()
+        self._close_writer_connection()
+
+
+def _configure_reader(conn: psycopg.Connection[Any]) -> None:
+    # Each read is one REPEATABLE READ, READ ONLY transaction: a single snapshot that can
+    # never write. The pool commits (ends) it when the connection is returned.
+    conn.isolation_level = IsolationLevel.REPEATABLE_READ
+    conn.read_only = True
