@@ -239,8 +239,9 @@ def test_cpu_profile_runs_the_same_job_without_gpus(compose: Compose) -> None:
     assert [a for a in cpu_launcher if not a.startswith("--nproc-per-node")] == [
         a for a in gpu_launcher if not a.startswith("--nproc-per-node")
     ]
-    # Same script and arguments; only the default job, and so its checkpoint directory, differ.
+    # Same script and arguments but the device and the default job (so its checkpoints).
     assert cpu_script[0] == gpu_script[0] == "examples/train_tp.py"
+    assert (_flag(cpu_script, "--device"), _flag(gpu_script, "--device")) == ("cpu", "cuda")
     assert _flag(cpu_script, "--steps") == _flag(gpu_script, "--steps")
     assert _flag(cpu_script, "--checkpoint-dir") == "/checkpoints/tp-cpu"
     assert _flag(gpu_script, "--checkpoint-dir") == "/checkpoints/tp-gpu"
@@ -254,27 +255,26 @@ def test_trainer_defaults_reach_the_sqlite_coordinator_without_a_token(compose: 
         env = services[name]["environment"]
         assert env["RNGCOORD_ADDR"] == "coordinator:29520"
         assert env["RNGCOORD_JOB"] == job
-        # A key without a value: the host's RNGCOORD_TOKEN if set, otherwise left unset.
+        # Keys without a value: the host's variable if set there, otherwise left unset.
         assert env["RNGCOORD_TOKEN"] is None
+        assert env["RNGCOORD_SEED"] is None
 
 
-def test_trainer_address_job_token_and_arguments_come_from_the_environment(
+def test_trainer_settings_and_arguments_come_from_the_environment(
     compose: Compose,
 ) -> None:
     services = compose.services(
         RNGCOORD_ADDR="coordinator-pg:29520",
         RNGCOORD_JOB="run-7",
         RNGCOORD_TOKEN="s3cret",
+        RNGCOORD_SEED="42",
         TRAIN_STEPS="7",
         TRAIN_ARGS="--resume",
     )
     for name in ("trainer", "trainer-cpu"):
         env = services[name]["environment"]
-        assert (env["RNGCOORD_ADDR"], env["RNGCOORD_JOB"], env["RNGCOORD_TOKEN"]) == (
-            "coordinator-pg:29520",
-            "run-7",
-            "s3cret",
-        )
+        settings = ("RNGCOORD_ADDR", "RNGCOORD_JOB", "RNGCOORD_TOKEN", "RNGCOORD_SEED")
+        assert [env[key] for key in settings] == ["coordinator-pg:29520", "run-7", "s3cret", "42"]
         _, script = _torchrun(services[name])
         assert _flag(script, "--steps") == "7"
         assert _flag(script, "--checkpoint-dir") == "/checkpoints/run-7"
