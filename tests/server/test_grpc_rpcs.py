@@ -1,0 +1,199 @@
+"""Every RPC end to end over gRPC: the fields that come back and the status codes of refusals.
+
+One live server on a SQLite store per test. The domain rules themselves are the core's tests;
+these check what a client sees on the wire: messages filled field by field, the documented
+group-seed function, existing flags, the audit stream, and the code and message of divergence,
+fencing, seed conflicts and join timeouts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+
+import grpc
+import pytest
+from conftest import CoordinatorProcess, join_all
+from rngcoord.v1 import coordinator_pb2 as pb
+from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
+
+JOB = "rpcs"
+
+
+def _group_seed(job_seed: int, group: str) -> int:
+    # Written out from the contract rather than imported, so a change to it fails here.
+    data = b"rngcoord/v1/group-seed\0" + job_seed.to_bytes(8, "big") + group.encode()
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big")
+
+
+def _reserve(
+    stub: pb_grpc.CoordinatorStub,
+    group: str,
+    seq: int,
+    member: str,
+    *,
+    epoch: int = 1,
+    rank: int = 0,
+    size: int = 256,
+    fingerprint: bytes = b"ops",
+) -> pb.ReserveResponse:
+    reply: pb.ReserveResponse = stub.Reserve(
+        pb.ReserveRequest(
+            job=JOB,
+            group=group,
+            epoch=epoch,
+            seq=seq,
+            size=size,
+            fingerprint=fingerprint,
+            rank=rank,
+            member_id=member,
+        ),
+        timeout=10,
+    )
+    return reply
+
+
+def _refused(call: object, *args: object, **kwargs: object) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        call(*args, **kwargs)  # type: ignore[operator]
+    error: grpc.RpcError = caught.value
+    return error
+
+
+def test_join_reserve_and_get_group_fill_every_field(coordinator: CoordinatorProcess) -> None:
+    stub = coordinator.stub()
+    replies = join_all(stub, JOB, "tp", 3, job_seed=2**64 - 1)
+    for reply in replies:
+        assert (reply.epoch, reply.start, reply.job_seed) == (1, 0, 2**64 - 1)
+        assert reply.seed == _group_seed(2**64 - 1, "tp")
+        assert list(reply.members) == list(replies[0].members)
+    assert [m.partition("-")[0] for m in replies[0].members] == ["m0", "m1", "m2"]
+    member = replies[2].members[2]
+
+    first = _reserve(stub, "tp", 0, member, rank=2, size=2**40)
+    assert not first.existing
+    lease = first.lease
+    assert (lease.group, lease.epoch, lease.seq, lease.seed) == ("tp", 1, 0, replies[0].seed)
+    assert (lease.start, lease.end) == (0, 2**40)
+    again = _reserve(stub, "tp", 0, replies[0].members[0], rank=0, size=2**40)
+    assert again.existing and again.lease == lease
+
+    info = stub.GetGroup(pb.GetGroupRequest(job=JOB, group="tp"), timeout=10)
+    assert (info.job, info.group, info.seed, info.epoch) == (JOB, "tp", lease.seed, 1)
+    assert list(info.members) == list(replies[0].members)
+    assert (info.high_water, info.leases, info.job_seed) == (2**40, 1, 2**64 - 1)
+
+
+def test_restore_and_leave(coordinator: CoordinatorProcess) -> None:
+    stub = coordinator.stub()
+    a, b = join_all(stub, JOB, "dp", 2)[0].members
+    for seq in range(2):
+        _reserve(stub, "dp", seq, a)
+    restore = pb.RestoreRequest(
+        job=JOB, group="dp", epoch=1, seq=2, cursor=256, rank=0, member_id=a
+    )
+    assert stub.Restore(restore, timeout=10) == pb.RestoreResponse(cursor=256, existing=False)
+    assert stub.Restore(restore, timeout=10) == pb.RestoreResponse(cursor=256, existing=True)
+    assert _reserve(stub, "dp", 2, a).lease.start == 256
+    assert _reserve(stub, "dp", 3, a).lease.start == 512
+    granted = _refused(
+        stub.Restore,
+        pb.RestoreRequest(job=JOB, group="dp", epoch=1, seq=1, cursor=0, rank=0, member_id=a),
+        timeout=10,
+    )
+    assert granted.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "already granted" in (granted.details() or "")
+
+    leave = pb.LeaveGroupRequest(job=JOB, group="dp", epoch=1, rank=1, member_id=b)
+    assert stub.LeaveGroup(leave, timeout=10) == pb.LeaveGroupResponse()
+    info = stub.GetGroup(pb.GetGroupRequest(job=JOB, group="dp"), timeout=10)
+    assert list(info.members) == [a, ""]
+    # The rank that left is fenced; the other member carries on.
+    left = _refused(_reserve, stub, "dp", 4, b, rank=1)
+    assert left.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert _reserve(stub, "dp", 4, a).lease.start == 768
+
+
+def test_list_audit_streams_the_chain_with_filters(coordinator: CoordinatorProcess) -> None:
+    stub = coordinator.stub()
+    for group in ("a", "b"):
+        member = join_all(stub, JOB, group, 1, job_seed=5)[0].members[0]
+        for seq in range(3):
+            _reserve(stub, group, seq, member)
+
+    records = list(stub.ListAudit(pb.ListAuditRequest(), timeout=10))
+    assert [r.id for r in records] == list(range(1, len(records) + 1))
+    assert records[0].prev_hash == "0" * 64
+    for previous, record in itertools.pairwise(records):
+        assert record.prev_hash == previous.hash
+    for record in records:
+        body = {
+            "id": record.id,
+            "ts_us": record.ts_us,
+            "job": record.job,
+            "group": record.group,
+            "kind": record.kind,
+            "actor": record.actor,
+            "detail": json.loads(record.detail),
+            "prev_hash": record.prev_hash,
+        }
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        assert hashlib.sha256(canonical).hexdigest() == record.hash
+    assert [r.kind for r in records[:4]] == ["job", "group", "epoch", "grant"]
+    assert "ipv4:127.0.0.1:" in records[3].actor
+
+    grants_b = list(stub.ListAudit(pb.ListAuditRequest(job=JOB, group="b", kinds=["grant"])))
+    assert [(r.group, json.loads(r.detail)["seq"]) for r in grants_b] == [
+        ("b", 0),
+        ("b", 1),
+        ("b", 2),
+    ]
+    assert len(list(stub.ListAudit(pb.ListAuditRequest(limit=2)))) == 2
+    middle = records[5].ts_us
+    since = list(stub.ListAudit(pb.ListAuditRequest(since_us=middle)))
+    assert all(r.ts_us >= middle for r in since) and records[5] in since
+    assert not list(stub.ListAudit(pb.ListAuditRequest(job="nobody")))
+
+
+def test_divergence_fencing_seed_conflict_and_join_timeout_codes(
+    coordinator: CoordinatorProcess,
+) -> None:
+    stub = coordinator.stub()
+    a, b = join_all(stub, JOB, "tp", 2, job_seed=11)[0].members
+    _reserve(stub, "tp", 0, a, fingerprint=b"\x01")
+
+    diverged = _refused(_reserve, stub, "tp", 0, b, rank=1, fingerprint=b"\x02")
+    assert diverged.code() == grpc.StatusCode.FAILED_PRECONDITION
+    message = diverged.details() or ""
+    for part in ("'tp'", "epoch 1", "seq 0", "rank 1", "rank 0"):
+        assert part in message, message
+    kinds = [r.kind for r in stub.ListAudit(pb.ListAuditRequest(job=JOB, kinds=["divergence"]))]
+    assert kinds == ["divergence"]
+    # The epoch stays diverged for every later lease.
+    later = _refused(_reserve, stub, "tp", 1, a)
+    assert later.code() == grpc.StatusCode.FAILED_PRECONDITION and later.details() == message
+
+    # Rejoining forms epoch 2 and fences epoch 1.
+    join_all(stub, JOB, "tp", 2)
+    stale = _refused(_reserve, stub, "tp", 1, a, epoch=1)
+    assert stale.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "current epoch is 2" in (stale.details() or "")
+
+    conflict = _refused(
+        stub.JoinGroup,
+        pb.JoinGroupRequest(job=JOB, group="x", rank=0, world_size=1, member_id="z", job_seed=12),
+        timeout=10,
+    )
+    assert conflict.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert conflict.details() == f"job {JOB!r} has root seed 11; the request asked for 12"
+
+    timeout = _refused(
+        stub.JoinGroup,
+        pb.JoinGroupRequest(
+            job=JOB, group="late", rank=1, world_size=4, member_id="l1", timeout_ms=300
+        ),
+        timeout=10,
+    )
+    assert timeout.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "ranks [0, 2, 3] of world size 4 did not join" in (timeout.details() or "")
