@@ -86,6 +86,7 @@ def _copy_build_context(build: Stage, src: Path) -> None:
         target = src / dest
         for source in sources:
             origin = ROOT / source
+            assert origin.exists(), f"Dockerfile.coordinator copies {source}, which is missing"
             if origin.is_dir():
                 shutil.copytree(origin, target, ignore=ignore, dirs_exist_ok=True)
             else:
