@@ -8,8 +8,10 @@ slip between the check and the change. Refusals are `CoordinatorError`s; the ser
 them to gRPC statuses.
 
 The join barrier keeps its waiting outside the store: a join writes a pending row, and when
-its epoch has not formed yet it waits on a condition that this coordinator notifies after each
-of its commits, polling the store every 50 ms for joins that reached other replicas.
+its epoch has not formed yet it waits on a condition that this coordinator notifies whenever
+one of its joins forms an epoch, and polls the store every 50 ms for epochs formed through
+other replicas. (Waking on epoch formation rather than on every commit keeps a barrier of N
+ranks from re-reading the store N times per join.)
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from rngcoord.server import audit
 from rngcoord.server.audit import AuditRecord
@@ -57,8 +59,6 @@ __all__ = [
     "RestoreResult",
     "now_us",
 ]
-
-T = TypeVar("T")
 
 _POLL_S = 0.05
 """How often a waiting join re-reads the store, for epochs formed through other replicas."""
@@ -300,15 +300,9 @@ class Coordinator:
         self._store = store
         self._join_timeout_s = join_timeout_s
         self._clock = clock
-        # Notified after every commit this coordinator makes, to wake waiting joins at once.
-        self._committed = threading.Condition()
-
-    def _write(self, fn: Callable[[Tx], T]) -> T:
-        try:
-            return self._store.write(fn)
-        finally:
-            with self._committed:
-                self._committed.notify_all()
+        # Notified when a join of this coordinator forms an epoch, to wake its waiting joins
+        # at once; joins that reach other replicas are seen by polling.
+        self._epoch_formed = threading.Condition()
 
     def _audit(
         self, tx: Tx, job: str, group: str, kind: str, actor: str, detail: dict[str, Any]
@@ -372,23 +366,25 @@ class Coordinator:
         drawn = job_seed if job_seed is not None else draw_job_seed()
         deadline = time.monotonic() + timeout_s
         expires_us = self._clock() + math.ceil(timeout_s * 1e6)
-        outcome = self._write(
+        outcome = self._store.write(
             lambda tx: self._join_tx(
                 tx, job, group, rank, world_size, member_id, job_seed, drawn, expires_us, actor
             )
         )
         if isinstance(outcome, JoinResult):
+            with self._epoch_formed:
+                self._epoch_formed.notify_all()
             return outcome
         base_epoch = outcome
         while (remaining := deadline - time.monotonic()) > 0:
-            with self._committed:
-                self._committed.wait(min(_POLL_S, remaining))
+            with self._epoch_formed:
+                self._epoch_formed.wait(min(_POLL_S, remaining))
             formed = self._store.read(
                 lambda tx: self._joined_since(tx, job, group, rank, member_id, base_epoch)
             )
             if formed is not None:
                 return formed
-        final = self._write(
+        final = self._store.write(
             lambda tx: self._join_timeout_tx(
                 tx, job, group, rank, world_size, member_id, base_epoch, timeout_s, actor
             )
@@ -657,7 +653,7 @@ class Coordinator:
         hit = self._store.read(lookup)
         if hit is not None:
             return hit
-        return self._write(
+        return self._store.write(
             lambda tx: self._reserve_tx(
                 tx, job, group, epoch, seq, size, fingerprint, rank, member_id, actor
             )
@@ -832,7 +828,7 @@ class Coordinator:
             )
 
         if self._store.read(slot) is not None:
-            self._write(leave_tx)
+            self._store.write(leave_tx)
 
     # ------------------------------------------------------------------------ get_group
 
@@ -949,7 +945,7 @@ class Coordinator:
 
         if self._store.read(recorded) is None:
             return RestoreResult(cursor, existing=True)
-        return RestoreResult(cursor, existing=self._write(restore_tx))
+        return RestoreResult(cursor, existing=self._store.write(restore_tx))
 
     # ----------------------------------------------------------------------- list_audit
 

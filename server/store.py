@@ -63,7 +63,7 @@ class Store(Protocol):
     """A transactional store: concurrent snapshot reads and durable group-committed writes."""
 
     dialect: str
-    """"sqlite" or "postgresql"."""
+    """Which SQL dialect the backend speaks: "sqlite" or "postgresql"."""
 
     def read(self, fn: Callable[[Tx], T]) -> T:
         """Run `fn` in a read-only snapshot and return its result. Safe from any thread."""
