@@ -1,1 +1,48 @@
-"""rngcoord client: connection, leases and the DTensor RNG tracker."""
+"""rngcoord client: connection, leases and the DTensor RNG tracker.
+
+``install(mesh, target, job)`` makes DTensor random ops on this rank draw from coordinator
+leases; ``init_mesh`` sets up the dispatchable process group and the DeviceMesh. Supported
+torch versions: :data:`SUPPORTED_TORCH`.
+"""
+
+from __future__ import annotations
+
+from .compat import SUPPORTED_TORCH
+from .connection import CoordinatorClient
+from .errors import (
+    AuthenticationError,
+    CoordinatorUnavailable,
+    DivergenceError,
+    FailedPreconditionError,
+    InvalidRequest,
+    JoinTimeoutError,
+    NotFoundError,
+    OffsetsExhausted,
+    RNGCoordError,
+    StaleEpochError,
+    UnsupportedTorchError,
+)
+from .install import init_mesh, install
+from .leases import LeaseManager
+from .tracker import OffsetBasedRNGTracker, RNGStateTracker
+
+__all__ = [
+    "SUPPORTED_TORCH",
+    "AuthenticationError",
+    "CoordinatorClient",
+    "CoordinatorUnavailable",
+    "DivergenceError",
+    "FailedPreconditionError",
+    "InvalidRequest",
+    "JoinTimeoutError",
+    "LeaseManager",
+    "NotFoundError",
+    "OffsetBasedRNGTracker",
+    "OffsetsExhausted",
+    "RNGCoordError",
+    "RNGStateTracker",
+    "StaleEpochError",
+    "UnsupportedTorchError",
+    "init_mesh",
+    "install",
+]

@@ -1,0 +1,467 @@
+"""The connection to the coordinator: targets, failover, deadlines, retries, token and TLS.
+
+:class:`CoordinatorClient` mirrors the ``rngcoord.v1.Coordinator`` RPCs with Python types and
+turns every gRPC status into an :mod:`rngcoord.client.errors` exception whose message says
+what failed and what to do. All RPCs of the contract are idempotent (a JoinGroup retried with
+the same member id, a Reserve of the same key, an identical Restore), so the client retries
+them on UNAVAILABLE and DEADLINE_EXCEEDED, failing over across targets with exponential
+backoff and jitter, a bounded number of times.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from rngcoord.v1 import coordinator_pb2 as pb
+from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
+
+from .errors import (
+    AuthenticationError,
+    CoordinatorUnavailable,
+    DivergenceError,
+    FailedPreconditionError,
+    InvalidRequest,
+    JoinTimeoutError,
+    NotFoundError,
+    OffsetsExhausted,
+    RNGCoordError,
+    StaleEpochError,
+)
+
+#: Where the client looks for the coordinator when neither ``targets`` nor RNGCOORD_ADDR say.
+DEFAULT_ADDR = "localhost:29520"
+
+_T = TypeVar("_T")
+_RETRIABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# gRPC channels back off exponentially (up to 120 s by default) after a failed connect, and
+# fail calls fast meanwhile; a coordinator restart must be picked up within our own retries.
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+_MAX_SLEEP_S = 5.0
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    """An epoch of a group, as JoinGroup returns it."""
+
+    epoch: int
+    seed: int
+    start: int
+    job_seed: int
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The lease ``[start, end)`` of offsets for ``(group, epoch, seq)``; ``existing`` is true
+    when another request had granted it already."""
+
+    group: str
+    epoch: int
+    seq: int
+    seed: int
+    start: int
+    end: int
+    existing: bool
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A group's seed, current epoch (0: none yet), members and high-water mark."""
+
+    job: str
+    group: str
+    seed: int
+    epoch: int
+    members: tuple[str, ...]
+    high_water: int
+    leases: int
+    job_seed: int
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """The cursor a Restore recorded; ``existing`` when an identical Restore was recorded."""
+
+    cursor: int
+    existing: bool
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    """One record of the audit chain; ``detail`` is canonical JSON."""
+
+    id: int
+    ts_us: int
+    job: str
+    group: str
+    kind: str
+    actor: str
+    detail: str
+    prev_hash: str
+    hash: str
+
+
+def _env_targets() -> list[str]:
+    return [
+        t.strip() for t in os.environ.get("RNGCOORD_ADDR", DEFAULT_ADDR).split(",") if t.strip()
+    ]
+
+
+class CoordinatorClient:
+    """A client of one coordinator deployment (one or more replicas).
+
+    Args:
+        targets: ``"HOST:PORT"`` addresses, as a sequence or one comma-separated string.
+            Default ``None``: RNGCOORD_ADDR, else ``localhost:29520``. Calls go to one target
+            and fail over to the next on UNAVAILABLE or DEADLINE_EXCEEDED.
+        token: Bearer token sent as ``authorization`` metadata. Default ``None``:
+            RNGCOORD_TOKEN, else no token.
+        tls_ca: Path of a PEM CA bundle that verifies the coordinator; it turns TLS on.
+            Default ``None``: RNGCOORD_TLS_CA, else plaintext.
+        deadline_s: Deadline of each RPC attempt, in seconds (a JoinGroup waits its barrier
+            timeout on top). Default 10.0.
+        retries: Attempts after the first one on UNAVAILABLE or DEADLINE_EXCEEDED. Default 5.
+        backoff_s: First backoff; it doubles after each attempt, with +-50% jitter, capped at
+            5 s. A failover to a target not yet tried in this call does not wait. Default 0.1.
+    """
+
+    def __init__(
+        self,
+        targets: str | Sequence[str] | None = None,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        deadline_s: float = 10.0,
+        retries: int = 5,
+        backoff_s: float = 0.1,
+    ) -> None:
+        if targets is None:
+            resolved = _env_targets()
+        elif isinstance(targets, str):
+            resolved = [t.strip() for t in targets.split(",") if t.strip()]
+        else:
+            resolved = [t.strip() for t in targets if t.strip()]
+        if not resolved:
+            raise InvalidRequest(
+                f"no coordinator target in {targets!r}: pass targets='HOST:PORT' or set "
+                "RNGCOORD_ADDR"
+            )
+        if deadline_s <= 0 or retries < 0 or backoff_s < 0:
+            raise InvalidRequest(
+                f"deadline_s must be > 0, retries and backoff_s >= 0; got deadline_s="
+                f"{deadline_s}, retries={retries}, backoff_s={backoff_s}"
+            )
+        self._targets = resolved
+        token = token if token is not None else os.environ.get("RNGCOORD_TOKEN") or None
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token}"),) if token else ()
+        )
+        tls_ca = tls_ca if tls_ca is not None else os.environ.get("RNGCOORD_TLS_CA") or None
+        credentials = None
+        if tls_ca:
+            try:
+                with open(tls_ca, "rb") as f:
+                    credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+            except OSError as e:
+                raise InvalidRequest(
+                    f"cannot read the CA bundle {tls_ca!r} ({e}): point tls_ca or "
+                    "RNGCOORD_TLS_CA at a PEM file"
+                ) from e
+        self._channels = [
+            grpc.secure_channel(t, credentials, options=_CHANNEL_OPTIONS)
+            if credentials is not None
+            else grpc.insecure_channel(t, options=_CHANNEL_OPTIONS)
+            for t in resolved
+        ]
+        self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]  # type: ignore[no-untyped-call]
+        self._current = 0
+        self.deadline_s = deadline_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The coordinator addresses, in failover order."""
+        return tuple(self._targets)
+
+    def close(self) -> None:
+        """Close every channel; the client cannot be used afterwards."""
+        for channel in self._channels:
+            channel.close()
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(
+        self,
+        method: str,
+        invoke: Callable[[Any, float, tuple[tuple[str, str], ...]], _T],
+        deadline_s: float,
+        deadline_is_timeout: bool = False,
+    ) -> _T:
+        """Run ``invoke(stub, deadline, metadata)`` with failover, backoff and error mapping.
+
+        ``deadline_is_timeout``: DEADLINE_EXCEEDED means the server's barrier timed out (a
+        JoinGroup), which is reported, not retried.
+        """
+        started = time.monotonic()
+        tried: set[int] = set()
+        last: grpc.RpcError | None = None
+        for attempt in range(self.retries + 1):
+            index = self._current
+            tried.add(index)
+            try:
+                return invoke(self._stubs[index], deadline_s, self._metadata)
+            except grpc.RpcError as e:
+                code = e.code()
+                if code not in _RETRIABLE or (
+                    deadline_is_timeout and code is grpc.StatusCode.DEADLINE_EXCEEDED
+                ):
+                    raise _map_error(method, self._targets[index], code, e.details() or "") from e
+                last = e
+            self._current = (index + 1) % len(self._targets)
+            if self._current in tried and attempt < self.retries:
+                delay = self.backoff_s * (2**attempt) * random.uniform(0.5, 1.5)
+                time.sleep(min(delay, _MAX_SLEEP_S))
+        assert last is not None
+        elapsed = time.monotonic() - started
+        raise CoordinatorUnavailable(
+            f"coordinator unreachable at [{', '.join(self._targets)}] after "
+            f"{self.retries + 1} attempts over {elapsed:.1f} s ({method}: last error "
+            f"{last.code().name}: {last.details()}): start it with `rngcoord serve` or set "
+            "RNGCOORD_ADDR",
+            code=last.code().name,
+        ) from last
+
+    def join_group(
+        self,
+        job: str,
+        group: str,
+        rank: int,
+        world_size: int,
+        member_id: str,
+        job_seed: int | None = None,
+        timeout_s: float = 60.0,
+    ) -> JoinResult:
+        """Join ``group``'s barrier; returns once ``world_size`` ranks have joined.
+
+        Args:
+            job: The job name.
+            group: The group name.
+            rank: This member's rank in the group.
+            world_size: Ranks that form the epoch.
+            member_id: This process incarnation's id.
+            job_seed: The job's root seed; ``None`` (default) lets the first join decide.
+            timeout_s: How long the server waits for the other ranks. Default 60.0.
+        """
+        request = pb.JoinGroupRequest(
+            job=job,
+            group=group,
+            rank=rank,
+            world_size=world_size,
+            member_id=member_id,
+            timeout_ms=max(1, round(timeout_s * 1000)),
+        )
+        if job_seed is not None:
+            request.job_seed = job_seed
+        reply = self._call(
+            "JoinGroup",
+            lambda s, d, m: s.JoinGroup(request, timeout=d, metadata=m),
+            timeout_s + self.deadline_s,
+            deadline_is_timeout=True,
+        )
+        return JoinResult(
+            epoch=reply.epoch,
+            seed=reply.seed,
+            start=reply.start,
+            job_seed=reply.job_seed,
+            members=tuple(reply.members),
+        )
+
+    def reserve(
+        self,
+        job: str,
+        group: str,
+        epoch: int,
+        seq: int,
+        size: int,
+        fingerprint: bytes,
+        rank: int,
+        member_id: str,
+    ) -> Lease:
+        """The lease for ``(group, epoch, seq)``: granted now, or read back."""
+        request = pb.ReserveRequest(
+            job=job,
+            group=group,
+            epoch=epoch,
+            seq=seq,
+            size=size,
+            fingerprint=fingerprint,
+            rank=rank,
+            member_id=member_id,
+        )
+        reply = self._call(
+            "Reserve",
+            lambda s, d, m: s.Reserve(request, timeout=d, metadata=m),
+            self.deadline_s,
+        )
+        lease = reply.lease
+        return Lease(
+            group=lease.group,
+            epoch=lease.epoch,
+            seq=lease.seq,
+            seed=lease.seed,
+            start=lease.start,
+            end=lease.end,
+            existing=reply.existing,
+        )
+
+    def leave_group(self, job: str, group: str, epoch: int, rank: int, member_id: str) -> None:
+        """Record that this member leaves ``group``'s epoch."""
+        request = pb.LeaveGroupRequest(
+            job=job, group=group, epoch=epoch, rank=rank, member_id=member_id
+        )
+        self._call(
+            "LeaveGroup",
+            lambda s, d, m: s.LeaveGroup(request, timeout=d, metadata=m),
+            self.deadline_s,
+        )
+
+    def get_group(self, job: str, group: str) -> GroupInfo:
+        """Describe ``group``: seed, current epoch, members, high-water mark."""
+        request = pb.GetGroupRequest(job=job, group=group)
+        reply = self._call(
+            "GetGroup",
+            lambda s, d, m: s.GetGroup(request, timeout=d, metadata=m),
+            self.deadline_s,
+        )
+        return GroupInfo(
+            job=reply.job,
+            group=reply.group,
+            seed=reply.seed,
+            epoch=reply.epoch,
+            members=tuple(reply.members),
+            high_water=reply.high_water,
+            leases=reply.leases,
+            job_seed=reply.job_seed,
+        )
+
+    def restore(
+        self,
+        job: str,
+        group: str,
+        epoch: int,
+        seq: int,
+        cursor: int,
+        rank: int,
+        member_id: str,
+    ) -> RestoreResult:
+        """Make lease ``seq`` of the current epoch start at ``cursor`` (audited)."""
+        request = pb.RestoreRequest(
+            job=job,
+            group=group,
+            epoch=epoch,
+            seq=seq,
+            cursor=cursor,
+            rank=rank,
+            member_id=member_id,
+        )
+        reply = self._call(
+            "Restore",
+            lambda s, d, m: s.Restore(request, timeout=d, metadata=m),
+            self.deadline_s,
+        )
+        return RestoreResult(cursor=reply.cursor, existing=reply.existing)
+
+    def list_audit(
+        self,
+        job: str = "",
+        group: str = "",
+        kinds: Sequence[str] = (),
+        since_us: int = 0,
+        until_us: int = 0,
+        limit: int = 0,
+    ) -> list[AuditEntry]:
+        """Audit records in chain order, oldest first; empty filters match everything."""
+        request = pb.ListAuditRequest(
+            job=job,
+            group=group,
+            kinds=list(kinds),
+            since_us=since_us,
+            until_us=until_us,
+            limit=limit,
+        )
+        records = self._call(
+            "ListAudit",
+            lambda s, d, m: list(s.ListAudit(request, timeout=d, metadata=m)),
+            self.deadline_s,
+        )
+        return [
+            AuditEntry(
+                id=r.id,
+                ts_us=r.ts_us,
+                job=r.job,
+                group=r.group,
+                kind=r.kind,
+                actor=r.actor,
+                detail=r.detail,
+                prev_hash=r.prev_hash,
+                hash=r.hash,
+            )
+            for r in records
+        ]
+
+
+def _map_error(method: str, target: str, code: grpc.StatusCode, details: str) -> RNGCoordError:
+    """The client error for a non-retriable status of ``method`` at ``target``."""
+    where = f"{method} at {target}"
+    name = code.name
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(f"{where} rejected the request: {details}", name)
+    if code is grpc.StatusCode.NOT_FOUND:
+        return NotFoundError(
+            f"{where}: {details}: check the job and group names, and join the group first "
+            "(install() joins lazily)",
+            name,
+        )
+    if code is grpc.StatusCode.FAILED_PRECONDITION:
+        if details.startswith("divergence"):
+            return DivergenceError(
+                f"{where}: {details}. Every rank of a group must run the same random DTensor "
+                "ops (names and global shapes) in the same order: compare the ranks' code "
+                "paths up to this point",
+                name,
+            )
+        if " is stale" in details:
+            return StaleEpochError(
+                f"{where}: {details}. The group's membership changed: call "
+                "rngcoord.client.install() again on every rank",
+                name,
+            )
+        return FailedPreconditionError(f"{where}: {details}", name)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return OffsetsExhausted(f"{where}: {details}", name)
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return AuthenticationError(
+            f"{where}: {details}: pass token= or set RNGCOORD_TOKEN to the job's token", name
+        )
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return JoinTimeoutError(
+            f"{where}: {details}: start every rank of the group, or raise the join timeout",
+            name,
+        )
+    return RNGCoordError(
+        f"{where} failed with {name}: {details}; the coordinator's log has the details", name
+    )

@@ -1,0 +1,65 @@
+"""The client's error hierarchy.
+
+Every error rngcoord's client raises derives from :class:`RNGCoordError`. Errors that answer
+a coordinator RPC carry the gRPC status name in ``code`` and the server's message inside their
+own; every message says what failed and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class RNGCoordError(Exception):
+    """Root of the rngcoord client errors.
+
+    Args:
+        message: What failed, and what to do about it.
+        code: The gRPC status name (``"FAILED_PRECONDITION"``...) when the error answers an
+            RPC; ``None`` (the default) for errors raised by the client itself.
+    """
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+class CoordinatorUnavailable(RNGCoordError):
+    """No coordinator target answered within the bounded retries."""
+
+
+class InvalidRequest(RNGCoordError):
+    """A request or an argument was malformed (INVALID_ARGUMENT, or caught client-side)."""
+
+
+class NotFoundError(RNGCoordError):
+    """The coordinator does not know the job, the group or the epoch (NOT_FOUND)."""
+
+
+class FailedPreconditionError(RNGCoordError):
+    """The coordinator's state refuses the request (FAILED_PRECONDITION): a job seed
+    conflict, a world-size mismatch, a member that is not in the epoch, a Restore conflict."""
+
+
+class StaleEpochError(FailedPreconditionError):
+    """This rank's epoch was fenced by a newer one: the group's membership changed."""
+
+
+class DivergenceError(FailedPreconditionError):
+    """The ranks of a group disagree about the sequence of random ops."""
+
+
+class OffsetsExhausted(RNGCoordError):
+    """A group's offset space is used up (RESOURCE_EXHAUSTED), or an offset no longer fits
+    the device generator (CUDA stores the Philox offset as a signed 64-bit integer)."""
+
+
+class AuthenticationError(RNGCoordError):
+    """The bearer token is missing or wrong for the job (UNAUTHENTICATED)."""
+
+
+class JoinTimeoutError(RNGCoordError):
+    """A JoinGroup barrier timed out; the message names the ranks that did not join."""
+
+
+class UnsupportedTorchError(RNGCoordError):
+    """The installed torch lacks the DTensor internals the tracker hooks into."""

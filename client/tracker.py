@@ -1,0 +1,724 @@
+"""RNG state trackers: where each DTensor random op draws from, on one rank.
+
+:class:`RNGStateTracker` keeps named streams of (seed, offset) and applies them to the device
+around each random op, with DTensor's offset semantics: an op's base is its stream's cursor,
+the local shard starts at ``base + roundup4(shard_linear_idx * local_size_on_rank_0)``, and the
+cursor then moves to ``base + roundup4(global numel)`` on every rank (the arithmetic is
+upstream's own ``OffsetBasedRNGTracker._compute_rng_offsets``, cached per DTensorSpec). Its
+streams are local: it is the coordinator-free reference, and what every rank would compute.
+
+:class:`OffsetBasedRNGTracker` is the default policy: one stream per group (by default one per
+(sub)mesh), whose seed, epoch and leases come from the coordinator. It subclasses PyTorch's
+``OffsetBasedRNGTracker`` because DTensor's CUDA path asserts that class; it never runs the
+upstream ``__init__``, which raises on CPU meshes and broadcasts rank 0's device state.
+
+How a draw reaches the device:
+
+- Philox devices (cuda and cuda-like): the device's default generator is set to
+  ``(seed, base + shard start)`` before the op and left at ``(seed, base + end)`` after it,
+  as upstream leaves it. On CUDA, DTensor's dispatch runs the op through
+  ``torch._prims.rng_prims.run_dtensor_rng_op`` and calls only ``_compute_rng_offsets``:
+  the tracker sets ``(seed, base)`` there and the higher-order op adds the shard start.
+- CPU: the default CPU generator is given the state of the stream
+  ``cpu_key(seed, base + shard start)`` (:mod:`rngcoord.client.devices`) for the op, and the
+  user's CPU state is restored afterwards.
+
+torch.compile: offsets computed while Dynamo traces are burned into the graph as constants,
+and the compiled graph advances the device generator by itself at run time, as upstream does.
+The tracker therefore leaves traced ops alone (it warns once): compiled random ops draw from
+wherever the device generator stands, outside the leases. Audited, lease-backed streams need
+eager DTensor random ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import struct
+import sys
+import threading
+import types
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.distributed.tensor._random as dtensor_random
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+from .connection import CoordinatorClient
+from .devices import (
+    PHILOX_OFFSET_LIMIT,
+    CPUStateWriter,
+    DeviceHandle,
+    check_philox_offset,
+    cpu_key,
+    device_handle,
+    pack_philox,
+    unpack_philox,
+)
+from .errors import InvalidRequest, RNGCoordError
+from .groups import GroupSpec, mesh_group, shared_group
+from .leases import INITIAL_DIGEST, LeaseManager
+
+logger = logging.getLogger(__name__)
+
+#: ``format`` of the dicts :meth:`RNGStateTracker.state_dict` returns.
+STATE_FORMAT = "rngcoord.tracker/1"
+_MAX_PLANS = 4096
+_STATE16 = struct.Struct("<QQ")
+
+# One generator per device (and one CPU generator) serves every thread-rank of a process:
+# a region holds this lock so that thread-ranks do not interleave their states.
+_GENERATOR_LOCK = threading.RLock()
+
+# DTensor's arithmetic, from an instance that holds no state: upstream's
+# _compute_rng_offsets reads only the spec and self._calc_shard_linear_idx.
+_UPSTREAM_ARITHMETIC = object.__new__(dtensor_random.OffsetBasedRNGTracker)
+
+
+class _Stream(Protocol):
+    """A stream position: a seed and a cursor that :meth:`advance` moves op by op."""
+
+    seed: int
+
+    @property
+    def cursor(self) -> int: ...
+
+    @property
+    def digest(self) -> bytes: ...
+
+    def advance(self, size: int, op_key: bytes) -> int: ...
+
+
+class LocalStream:
+    """A stream kept in this process only: the seed and cursor are what the caller sets.
+
+    Args:
+        seed: The stream's seed (uint64).
+        cursor: Where the next op's offsets start, a multiple of 4. Default 0.
+        digest: The fingerprint chain so far. Default: the chain before any op.
+    """
+
+    def __init__(self, seed: int, cursor: int = 0, digest: bytes = INITIAL_DIGEST) -> None:
+        self.seed = seed
+        self.cursor = cursor
+        self.digest = digest
+
+    def advance(self, size: int, op_key: bytes) -> int:
+        """Account one op of ``size`` offsets; return its base. ``op_key`` is unused here:
+        the fingerprint matters only to a coordinator."""
+        base = self.cursor
+        self.cursor = base + size
+        return base
+
+
+@dataclass
+class _Plan:
+    """What a DTensorSpec needs, computed once: its stream, and DTensor's offsets."""
+
+    stream: _Stream | None  # None: this rank is not part of the spec's mesh
+    start: int
+    end: int
+    shape: str
+    op_keys: dict[object, bytes]
+
+
+def _op_name(op: object) -> str:
+    # OpOverloads print as "aten.uniform_.default"; functions (torch.rand) have no stable
+    # repr (it holds an address), so use the name.
+    if isinstance(op, torch._ops.OpOverload):
+        return str(op)
+    return f"torch.{getattr(op, '__name__', type(op).__name__)}"
+
+
+def _dispatch_code() -> types.CodeType | None:
+    from torch.distributed.tensor import _dispatch
+
+    slow_path = getattr(_dispatch.OpDispatcher, "_dispatch_get_local_results_slow_path", None)
+    return getattr(slow_path, "__code__", None)
+
+
+def _init_helper_code() -> types.CodeType | None:
+    from torch.distributed.tensor import _api
+
+    return getattr(getattr(_api, "_dtensor_init_helper", None), "__code__", None)
+
+
+# The two places in torch that call into the tracker, and the local holding the random op:
+# OpDispatcher._dispatch_get_local_results_slow_path (op_call; both the _distribute_region
+# and the run_dtensor_rng_op path) and the DTensor factories' _dtensor_init_helper (init_op,
+# torch.rand / torch.randn). rngcoord.client.compat checks both at install time.
+_CALLERS: dict[types.CodeType | None, str] = {
+    _dispatch_code(): "op_call",
+    _init_helper_code(): "init_op",
+}
+_CALLERS.pop(None, None)
+
+
+def _caller_op(frame: types.FrameType | None) -> object | None:
+    """The random op that DTensor is running, read from the frame that called the tracker."""
+    if frame is None:
+        return None
+    local = _CALLERS.get(frame.f_code)
+    return frame.f_locals.get(local) if local is not None else None
+
+
+class _CPURegion:
+    """Runs the region on the default CPU generator set to one stream key, then restores
+    the user's CPU state."""
+
+    __slots__ = ("_key", "_saved", "_writer")
+
+    def __init__(self, writer: CPUStateWriter, key: int) -> None:
+        self._writer = writer
+        self._key = key
+
+    def __enter__(self) -> None:
+        _GENERATOR_LOCK.acquire()
+        generator = torch.default_generator
+        self._saved = generator.get_state()
+        generator.set_state(self._writer.write(self._key))
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            torch.default_generator.set_state(self._saved)
+        finally:
+            _GENERATOR_LOCK.release()
+
+
+class _PhiloxRegion:
+    """Runs the region with the device generator at (seed, offset) and leaves it at
+    (seed, post)."""
+
+    __slots__ = ("_hpu", "_offset", "_post", "_seed", "_tracker")
+
+    def __init__(self, tracker: RNGStateTracker, seed: int, offset: int, post: int) -> None:
+        self._tracker = tracker
+        self._seed = seed
+        self._offset = offset
+        self._post = post
+        # Upstream switches Gaudi's generator to its Philox context around the op.
+        self._hpu = tracker.device_type == "hpu"
+
+    def __enter__(self) -> None:
+        _GENERATOR_LOCK.acquire()
+        if self._hpu:
+            self._tracker._handle_or_raise().set_rng_ctx("philox")  # type: ignore[attr-defined]
+        self._tracker._set_philox(self._seed, self._offset)
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._tracker._set_philox(self._seed, self._post)
+            if self._hpu:
+                self._tracker._handle_or_raise().unset_rng_ctx("philox")  # type: ignore[attr-defined]
+        finally:
+            _GENERATOR_LOCK.release()
+
+
+class RNGStateTracker:
+    """Named random streams of one rank, applied to the device around DTensor random ops.
+
+    Each stream has a tag, a seed (uint64) and an offset (the cursor: where the next op's
+    offsets start). The streams of this class live in this process: set them with
+    :meth:`set_seed` and :meth:`set_offset`. A mesh's stream is the one tagged with the mesh's
+    group name (:func:`rngcoord.client.groups.group_name`). With the same seeds and start
+    offsets it draws exactly what :class:`OffsetBasedRNGTracker` draws.
+
+    Args:
+        device_type: The device of the DTensors' local shards: ``"cpu"`` (default),
+            ``"cuda"``, or a cuda-like device with a ``torch.<device_type>`` module.
+        rank: This rank's global rank. Default ``None``: ``torch.distributed.get_rank()``.
+    """
+
+    def __init__(self, device_type: str = "cpu", rank: int | None = None) -> None:
+        self.device_type = device_type
+        self.rank = dist.get_rank() if rank is None else rank
+        handle = device_handle(device_type)
+        if handle is None and device_type != "cpu":
+            raise InvalidRequest(
+                f"device {device_type!r} has no torch.{device_type} module with "
+                "get_rng_state/set_rng_state: register its device module "
+                "(torch._register_device_module) or use a cuda, cuda-like or cpu mesh"
+            )
+        # Attributes upstream's trackers define, which DTensor and torch code read.
+        self._device = torch.device(device_type)
+        self._device_handle: DeviceHandle | None = handle
+        self._use_distribute_region = True
+        self._streams: dict[str, _Stream] = {}
+        self._plans: dict[DTensorSpec, _Plan] = {}
+        self._cpu_writer = CPUStateWriter() if handle is None else None
+        self._philox = bytearray(16)
+        self._philox_tensor = torch.frombuffer(self._philox, dtype=torch.uint8)
+
+    # -- the seed's interface -------------------------------------------------------------
+
+    @property
+    def distribute_region_enabled(self) -> bool:
+        """Whether random ops draw from the tracker's streams (default ``True``). When
+        ``False``, DTensor random ops use the device generator as it stands."""
+        return self._use_distribute_region
+
+    @distribute_region_enabled.setter
+    def distribute_region_enabled(self, value: bool) -> None:
+        self._use_distribute_region = value
+
+    @property
+    def rng_states(self) -> dict[str, torch.Tensor]:
+        """A snapshot of every stream: tag -> 16-byte uint8 tensor, the seed as uint64 in
+        ``[0:8]`` and the offset as uint64 in ``[8:16]``, little-endian (``_PhiloxState``'s
+        layout). Writing to the tensors changes nothing: use :meth:`set_seed` and
+        :meth:`set_offset`."""
+        return {
+            tag: torch.frombuffer(bytearray(_STATE16.pack(s.seed, s.cursor)), dtype=torch.uint8)
+            for tag, s in self._streams.items()
+        }
+
+    def _stream(self, tag: str) -> _Stream:
+        stream = self._streams.get(tag)
+        if stream is None:
+            raise InvalidRequest(
+                f"no stream {tag!r} on rank {self.rank} (streams: {sorted(self._streams)}): "
+                "a stream exists once a random op ran on its mesh or set_seed created it"
+            )
+        return stream
+
+    def get_seed(self, tag: str) -> int:
+        """The seed of the stream ``tag``."""
+        return self._stream(tag).seed
+
+    def set_seed(self, tag: str, seed: int) -> None:
+        """Set the seed of the stream ``tag``, creating it at offset 0 if needed."""
+        if not 0 <= seed < 1 << 64:
+            raise InvalidRequest(f"seed must be a uint64, got {seed}")
+        stream = self._streams.get(tag)
+        if stream is None:
+            self._streams[tag] = LocalStream(seed)
+        else:
+            stream.seed = seed
+
+    def get_offset(self, tag: str) -> int:
+        """The cursor of the stream ``tag``: where its next op's offsets start."""
+        return self._stream(tag).cursor
+
+    def set_offset(self, tag: str, offset: int) -> None:
+        """Move the stream ``tag`` to ``offset`` (a multiple of 4)."""
+        if offset % 4 or not 0 <= offset < 1 << 64:
+            raise InvalidRequest(f"offset must be a multiple of 4 below 2^64, got {offset}")
+        stream = self._stream(tag)
+        assert isinstance(stream, LocalStream)
+        stream.cursor = offset
+
+    def state_dict(self) -> dict[str, Any]:
+        """The streams' positions: ``{"format", "streams": {tag: {"seed", "offset",
+        "digest"}}}``. Plain Python values, for ``torch.save`` or DCP."""
+        return {
+            "format": STATE_FORMAT,
+            "streams": {
+                tag: {"seed": s.seed, "offset": s.cursor, "digest": s.digest}
+                for tag, s in self._stream_states().items()
+            },
+        }
+
+    def _stream_states(self) -> Mapping[str, _Stream]:
+        return self._streams
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue every stream of ``state`` where it was saved."""
+        for tag, entry in _streams_of(state).items():
+            self._streams[tag] = LocalStream(entry["seed"], entry["offset"], entry["digest"])
+
+    # -- DTensor's hooks ----------------------------------------------------------------------
+
+    def _distribute_region(
+        self, spec: DTensorSpec, generator: torch.Generator | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """The context in which DTensor runs the local random op of ``spec``.
+
+        Called by DTensor for every random op except CUDA ops without a generator. The
+        stream advances when this is called, whatever happens in the region.
+        """
+        return self._region(spec, generator, sys._getframe(1))
+
+    def _region(
+        self,
+        spec: DTensorSpec,
+        generator: torch.Generator | None,
+        caller: types.FrameType | None,
+    ) -> contextlib.AbstractContextManager[None]:
+        if not self._use_distribute_region:
+            # DTensor's dispatch checks this flag itself; its factories (rand, randn) do not.
+            return contextlib.nullcontext()
+        plan = self._plans.get(spec) or self._plan(spec)
+        stream = plan.stream
+        if stream is None:
+            return contextlib.nullcontext()
+        if generator is not None:
+            return self._generator_region(plan, generator)
+        if self._cpu_writer is not None:
+            base = stream.advance(plan.end, self._op_key(plan, caller))
+            return _CPURegion(self._cpu_writer, cpu_key(stream.seed, base + plan.start))
+        check_philox_offset(stream.cursor + plan.end)
+        base = stream.advance(plan.end, self._op_key(plan, caller))
+        return _PhiloxRegion(self, stream.seed, base + plan.start, base + plan.end)
+
+    def _compute_rng_offsets(self, spec: DTensorSpec) -> tuple[int, int]:
+        """DTensor's CUDA path: account the op and set the device generator to
+        ``(seed, base)``; ``run_dtensor_rng_op`` then runs the op at ``base + start`` and
+        leaves the generator at ``base + end``. Returns ``(start, end)``."""
+        return self._hop_offsets(spec, sys._getframe(1))
+
+    def _hop_offsets(self, spec: DTensorSpec, caller: types.FrameType | None) -> tuple[int, int]:
+        plan = self._plans.get(spec) or self._plan(spec)
+        if plan.stream is None:
+            raise RNGCoordError(f"rank {self.rank} is not part of the mesh of {spec}")
+        if torch.compiler.is_compiling():
+            _warn_compile_once()
+            return plan.start, plan.end
+        stream = plan.stream
+        check_philox_offset(stream.cursor + plan.end)
+        base = stream.advance(plan.end, self._op_key(plan, caller))
+        self._set_philox(stream.seed, base)
+        return plan.start, plan.end
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _plan(self, spec: DTensorSpec) -> _Plan:
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        if spec.mesh.get_coordinate() is None:
+            plan = _Plan(None, 0, 0, "", {})
+        else:
+            start, end = _UPSTREAM_ARITHMETIC._compute_rng_offsets(spec)
+            stream = self._stream_for(spec.mesh)
+            plan = _Plan(stream, int(start), int(end), str(tuple(spec.shape)), {})
+        self._plans[spec] = plan
+        return plan
+
+    def _stream_for(self, mesh: DeviceMesh) -> _Stream:
+        """The stream that random ops on ``mesh`` draw from."""
+        return self._stream(self._group_of(mesh).name)
+
+    def _group_of(self, mesh: DeviceMesh) -> GroupSpec:
+        return mesh_group(mesh, self.rank)
+
+    @staticmethod
+    def _op_key(plan: _Plan, caller: types.FrameType | None) -> bytes:
+        op = _caller_op(caller)
+        key = plan.op_keys.get(op)
+        if key is None:
+            name = "<unknown op>" if op is None else _op_name(op)
+            key = plan.op_keys[op] = f"{name}{plan.shape}".encode()
+        return key
+
+    def _handle_or_raise(self) -> DeviceHandle:
+        if self._device_handle is None:
+            raise RNGCoordError(f"device {self.device_type!r} has no Philox generator")
+        return self._device_handle
+
+    def _set_philox(self, seed: int, offset: int) -> None:
+        # The buffer aliases self._philox_tensor; set_rng_state copies it.
+        struct.pack_into("<Qq", self._philox, 0, seed, offset)
+        self._handle_or_raise().set_rng_state(self._philox_tensor)
+
+    def _generator_region(
+        self, plan: _Plan, generator: torch.Generator
+    ) -> contextlib.AbstractContextManager[None]:
+        """A user-supplied generator is the user's own stream: the coordinator is not
+        involved, and the generator advances like the default stream would."""
+        if generator.device.type == "cpu":
+            # One 63-bit draw advances the user's generator the same way on every rank; the
+            # shard start then separates the shards within the op.
+            drawn = int(torch.empty((), dtype=torch.int64).random_(generator=generator))
+            return _CPURegion(self._cpu_writer or CPUStateWriter(), cpu_key(drawn, plan.start))
+        return _UserPhiloxRegion(self, generator, plan.start, plan.end)
+
+
+class _UserPhiloxRegion:
+    """Upstream's semantics for a user generator on a Philox device: the op runs at the
+    generator's offset plus the shard start on the device's default generator, which is then
+    restored, and the user's generator moves on by the op's end increment."""
+
+    __slots__ = ("_end", "_generator", "_saved", "_start", "_tracker")
+
+    def __init__(
+        self, tracker: RNGStateTracker, generator: torch.Generator, start: int, end: int
+    ) -> None:
+        self._tracker = tracker
+        self._generator = generator
+        self._start = start
+        self._end = end
+
+    def __enter__(self) -> None:
+        _GENERATOR_LOCK.acquire()
+        handle = self._tracker._handle_or_raise()
+        self._saved = handle.get_rng_state()
+        seed, offset = unpack_philox(self._generator.get_state())
+        check_philox_offset(offset + self._end)
+        handle.set_rng_state(
+            torch.frombuffer(bytearray(pack_philox(seed, offset + self._start)), dtype=torch.uint8)
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            handle = self._tracker._handle_or_raise()
+            handle.set_rng_state(self._saved)
+            seed, offset = unpack_philox(self._generator.get_state())
+            self._generator.set_state(
+                torch.frombuffer(
+                    bytearray(pack_philox(seed, offset + self._end)), dtype=torch.uint8
+                )
+            )
+        finally:
+            _GENERATOR_LOCK.release()
+
+
+_compile_warned = False
+
+
+def _warn_compile_once() -> None:
+    global _compile_warned
+    if not _compile_warned:
+        _compile_warned = True
+        logger.warning(
+            "rngcoord: a DTensor random op is being traced by torch.compile; compiled random "
+            "ops advance the device generator themselves and draw outside the coordinator's "
+            "leases. Run DTensor random ops eagerly for lease-backed, audited streams."
+        )
+
+
+def _streams_of(state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Validate a tracker state dict and return its streams."""
+    if state.get("format") != STATE_FORMAT:
+        raise InvalidRequest(
+            f"not an rngcoord tracker state dict (format {state.get('format')!r}, expected "
+            f"{STATE_FORMAT!r}): pass what RNGStateTracker.state_dict() returned"
+        )
+    streams = state.get("streams")
+    if not isinstance(streams, Mapping):
+        raise InvalidRequest("tracker state dict has no 'streams' mapping")
+    checked: dict[str, dict[str, Any]] = {}
+    for tag, entry in streams.items():
+        seed, offset, digest = entry.get("seed"), entry.get("offset"), entry.get("digest")
+        if not (
+            isinstance(seed, int)
+            and isinstance(offset, int)
+            and isinstance(digest, bytes)
+            and 0 <= seed < 1 << 64
+            and 0 <= offset < 1 << 64
+            and offset % 4 == 0
+        ):
+            raise InvalidRequest(
+                f"stream {tag!r} of the state dict is malformed: seed={seed!r} "
+                f"offset={offset!r} digest={digest!r}"
+            )
+        checked[tag] = {"seed": seed, "offset": offset, "digest": digest}
+    return checked
+
+
+# mypy sees upstream's @contextmanager _distribute_region and ours as different signatures;
+# both return a context manager over the region.
+class OffsetBasedRNGTracker(  # type: ignore[misc]
+    RNGStateTracker, dtensor_random.OffsetBasedRNGTracker
+):
+    """The coordinator-backed tracker of one rank: DTensor's offset policy over leases.
+
+    Each group (by default each (sub)mesh that runs a random op; with ``shared_stream`` one
+    group for every mesh) is joined on its first random op: a JoinGroup barrier of the
+    mesh's ranks that returns the group's seed, epoch and start cursor. Ops then draw from
+    leases that a background thread prefetches; see :mod:`rngcoord.client.leases`.
+
+    Args:
+        device_mesh: The job's mesh. Its device type picks the generator, and with
+            ``shared_stream`` its ranks form the one group.
+        client: The coordinator connection.
+        job: The job name.
+        seed: The job's root seed (uint64). Default ``None``: the job's recorded seed, or one
+            the coordinator draws when the job is new.
+        lease_size: Offsets per lease, a multiple of 4, equal on every rank. Default 2^32.
+        shared_stream: One stream for every mesh, over ``device_mesh``'s ranks, instead of
+            one per (sub)mesh. Default ``False``.
+        join_timeout_s: How long a JoinGroup barrier waits for the mesh's other ranks.
+            Default 60.0.
+        owns_client: Close ``client`` in :meth:`close`. Default ``False``.
+    """
+
+    def __init__(
+        self,
+        device_mesh: DeviceMesh,
+        client: CoordinatorClient,
+        job: str,
+        seed: int | None = None,
+        lease_size: int = 1 << 32,
+        shared_stream: bool = False,
+        join_timeout_s: float = 60.0,
+        owns_client: bool = False,
+    ) -> None:
+        # Upstream's __init__ is deliberately not called: it raises on CPU meshes and
+        # broadcasts rank 0's device state, which the coordinator makes unnecessary.
+        RNGStateTracker.__init__(self, device_mesh.device_type)
+        if seed is not None and not 0 <= seed < 1 << 64:
+            raise InvalidRequest(f"seed must be a uint64, got {seed}")
+        if lease_size < 4 or lease_size % 4 or lease_size >= PHILOX_OFFSET_LIMIT:
+            raise InvalidRequest(
+                f"lease_size must be a multiple of 4 in [4, 2^63), got {lease_size}"
+            )
+        self.client = client
+        self.job = job
+        self.lease_size = lease_size
+        self.shared_stream = shared_stream
+        self.join_timeout_s = join_timeout_s
+        self.member_id = f"r{self.rank}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.device_mesh = device_mesh
+        self._job_seed = seed
+        self._owns_client = owns_client
+        self._managers: dict[str, LeaseManager] = {}
+        self._pending: dict[str, dict[str, Any]] = {}
+        self._join_lock = threading.Lock()
+        self._shared = shared_group(device_mesh, self.rank) if shared_stream else None
+
+    @property
+    def job_seed(self) -> int | None:
+        """The job's root seed: known once a group is joined, or when given."""
+        return self._job_seed
+
+    @property
+    def leases(self) -> Mapping[str, LeaseManager]:
+        """The lease manager of every group this rank has joined, by group name."""
+        return types.MappingProxyType(self._managers)
+
+    def _group_of(self, mesh: DeviceMesh) -> GroupSpec:
+        if self._shared is not None:
+            if mesh.get_coordinate() is not None and not set(mesh.mesh.flatten().tolist()) <= set(
+                self.device_mesh.mesh.flatten().tolist()
+            ):
+                raise InvalidRequest(
+                    f"{mesh} has ranks outside the shared stream's mesh {self.device_mesh}: "
+                    "install() with the job's root mesh"
+                )
+            return self._shared
+        return mesh_group(mesh, self.rank)
+
+    def _stream_for(self, mesh: DeviceMesh) -> _Stream:
+        group = self._group_of(mesh)
+        manager = self._managers.get(group.name)
+        if manager is None:
+            with self._join_lock:
+                manager = self._managers.get(group.name) or self._join(group)
+        return manager
+
+    def _join(self, group: GroupSpec) -> LeaseManager:
+        joined = self.client.join_group(
+            self.job,
+            group.name,
+            group.rank,
+            group.world_size,
+            self.member_id,
+            job_seed=self._job_seed,
+            timeout_s=self.join_timeout_s,
+        )
+        self._job_seed = joined.job_seed
+        resume = None
+        pending = self._pending.pop(group.name, None)
+        if pending is not None:
+            _check_seed(group.name, pending["seed"], joined.seed)
+            resume = (pending["offset"], pending["digest"])
+        manager = LeaseManager(
+            self.client,
+            self.job,
+            group.name,
+            group.rank,
+            self.member_id,
+            joined,
+            self.lease_size,
+            resume=resume,
+        )
+        self._managers[group.name] = manager
+        self._streams[group.name] = manager
+        return manager
+
+    def set_seed(self, tag: str, seed: int) -> None:
+        """Refused: group seeds are derived by the coordinator from the job's root seed."""
+        raise InvalidRequest(
+            f"the seed of group {tag!r} comes from the coordinator: pass seed= (the job's "
+            "root seed) to rngcoord.client.install() instead"
+        )
+
+    def set_offset(self, tag: str, offset: int) -> None:
+        """Move group ``tag`` to ``offset`` with a Restore (audited by the coordinator).
+
+        Every rank of the group must do the same at the same point of its op sequence.
+        """
+        manager = self._managers.get(tag)
+        if manager is None:
+            raise InvalidRequest(
+                f"group {tag!r} is not joined on rank {self.rank} (joined: "
+                f"{sorted(self._managers)}): run a random op on its mesh first, or use "
+                "load_state_dict()"
+            )
+        manager.restore(offset, manager.digest)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of every group: ``{"format", "job", "job_seed", "streams": {group:
+        {"seed", "offset", "digest"}}}``, groups loaded but not joined yet included."""
+        state = super().state_dict()
+        state["streams"].update({tag: dict(entry) for tag, entry in self._pending.items()})
+        state["job"] = self.job
+        state["job_seed"] = self._job_seed
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue every group of ``state`` bitwise where it was saved.
+
+        A joined group sends a Restore at once, for the first lease seq this rank has not
+        requested; a group not joined yet restores when it joins. Every rank of a group must
+        load at the same point of its op sequence. If no root seed was given and no group
+        is joined, the job adopts the state's root seed (a new job then draws the same
+        values as the saved one).
+
+        Raises:
+            InvalidRequest: the state is malformed, or a group's seed differs from the
+                state's (another root seed): pass the saved job's root seed to install().
+        """
+        streams = _streams_of(state)
+        saved_seed = state.get("job_seed")
+        if self._job_seed is None and not self._managers and isinstance(saved_seed, int):
+            self._job_seed = saved_seed
+        for tag, entry in streams.items():
+            manager = self._managers.get(tag)
+            if manager is None:
+                self._pending[tag] = entry
+                continue
+            _check_seed(tag, entry["seed"], manager.seed)
+            manager.restore(entry["offset"], entry["digest"])
+
+    def close(self) -> None:
+        """Leave every joined group, stop the prefetch threads, unregister from DTensor and
+        close the client if this tracker owns it."""
+        from .router import unregister
+
+        unregister(self)
+        errors = []
+        for manager in self._managers.values():
+            try:
+                manager.close()
+            except RNGCoordError as e:
+                errors.append(e)
+        self._managers.clear()
+        if self._owns_client:
+            self.client.close()
+        if errors:
+            logger.warning("rngcoord: leaving groups failed: %s", "; ".join(map(str, errors)))
+
+
+def _check_seed(group: str, saved: int, current: int) -> None:
+    if saved != current:
+        raise InvalidRequest(
+            f"group {group!r} was saved with seed {saved} but has seed {current} in this "
+            "job: its root seed differs; pass the saved job's root seed (state_dict()"
+            "['job_seed']) to install(), or resume the same job"
+        )
