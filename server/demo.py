@@ -1,0 +1,596 @@
+"""`rngcoord demo`: an elastic tensor-parallel job on CPU, from a crash to a bitwise resume.
+
+The demo starts an embedded coordinator (in this process, on SQLite in a temporary directory)
+and runs examples/train_tp.py under torchelastic, three times:
+
+1. A rank crashes mid-run. torchelastic restarts every worker; the new workers join a new
+   epoch of the group, which starts at the group's high-water mark, so they draw fresh numbers.
+   The members of the old epoch are then fenced: a Reserve in their name is refused.
+2. A reference job runs without interruption, with a fixed root seed.
+3. The same job, with the same root seed, crashes too, and restarts with ``--resume``: it loads
+   the latest checkpoint, restores the tracker's cursor, and must draw exactly the dropout masks
+   of the reference job.
+
+At the end it prints the audit table and the result of ``rngcoord verify`` (no offset granted
+twice, except through the recorded Restore), then one PASS or FAIL line per check. It exits 0
+only if every check held.
+
+This process never imports torch, as nothing in the server package does: the training runs in
+``python -m torch.distributed.run`` subprocesses of this interpreter. tests/e2e/test_elastic.py
+drives the same functions against a coordinator subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+from rngcoord.server import cli
+from rngcoord.server.app import start_server
+from rngcoord.server.logs import configure
+from rngcoord.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_tp.py"
+"""The training script; the demo runs from a source checkout, as `make demo` does."""
+
+JOB_TIMEOUT_S = 300.0
+"""A torchrun launch that runs longer than this is killed and counts as failed."""
+
+TAG = "[train_tp] "
+"""examples/train_tp.py starts its progress lines with this; the demo shows only those."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One property the demo asserts.
+
+    Args:
+        name: what held (or did not), in a few words.
+        ok: whether it held.
+        detail: the evidence, or what went wrong.
+    """
+
+    name: str
+    ok: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"{'PASS' if self.ok else 'FAIL'}  {self.name}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One elastic launch of examples/train_tp.py.
+
+    Args:
+        job: the rngcoord job name (RNGCOORD_JOB).
+        workers: processes on this host, which form a 1-D tensor-parallel mesh.
+        steps: optimizer steps.
+        seed: the job's root seed. Default None: the coordinator draws one.
+        fail_at_step: rank ``fail_rank`` of the first incarnation crashes at the start of this
+            step. Default None: no crash.
+        fail_rank: the rank that crashes. Default 1.
+        resume: restart from the latest checkpoint, restoring the random stream's cursor.
+            Default False: a restart starts over at step 1 on fresh numbers.
+        checkpoint_every: checkpoint after every this many steps. Default 2.
+    """
+
+    job: str
+    workers: int
+    steps: int
+    seed: int | None = None
+    fail_at_step: int | None = None
+    fail_rank: int = 1
+    resume: bool = False
+    checkpoint_every: int = 2
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """What a launch left behind.
+
+    Args:
+        spec: what was launched.
+        returncode: torchrun's exit status (0: the job finished, maybe after a restart).
+        workdir: holds ``torchrun.log`` (all output), ``checkpoints/`` and ``records/`` (what
+            ``--record-masks`` wrote: per incarnation and rank, the membership and each step's
+            masks).
+        seconds: wall time of the launch.
+    """
+
+    spec: JobSpec
+    returncode: int
+    workdir: Path
+    seconds: float
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / "torchrun.log"
+
+    @property
+    def records(self) -> Path:
+        return self.workdir / "records"
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def torchrun_command(spec: JobSpec, workdir: Path) -> list[str]:
+    """The torchrun command line of `spec`, as this interpreter runs it."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:1",
+        f"--nproc-per-node={spec.workers}",
+        "--rdzv-backend=c10d",
+        # Port 0: the agent hosts the rendezvous store on a free port, as --standalone does.
+        "--rdzv-endpoint=127.0.0.1:0",
+        f"--rdzv-id={spec.job}",
+        "--max-restarts=1",
+        str(EXAMPLE),
+        f"--steps={spec.steps}",
+        f"--checkpoint-dir={workdir / 'checkpoints'}",
+        f"--checkpoint-every={spec.checkpoint_every}",
+        f"--record-masks={workdir / 'records'}",
+        f"--fail-rank={spec.fail_rank}",
+    ]
+    if spec.fail_at_step is not None:
+        cmd.append(f"--fail-at-step={spec.fail_at_step}")
+    if spec.resume:
+        cmd.append("--resume")
+    return cmd
+
+
+def run_job(
+    spec: JobSpec,
+    address: str,
+    workdir: Path,
+    *,
+    token: str | None = None,
+    echo: Callable[[str], None] | None = None,
+) -> JobRun:
+    """Launch `spec` under torchelastic against the coordinator at `address`; wait for it.
+
+    Args:
+        spec: the launch.
+        address: the coordinator's "HOST:PORT".
+        workdir: an empty directory for this launch's logs, checkpoints and records.
+        token: the bearer token for the job. Default None: none sent.
+        echo: called with each progress line of rank 0 (without its tag). Default None.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RNGCOORD_")}
+    env.update(
+        RNGCOORD_ADDR=address,
+        RNGCOORD_JOB=spec.job,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        # torchelastic's c10d rendezvous shares one TCPStore across restarts by default, and
+        # gloo's setup can then read a peer address left there by the previous incarnation
+        # (pytorch#135712); a store per rendezvous round avoids it.
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
+    if spec.seed is not None:
+        env["RNGCOORD_SEED"] = str(spec.seed)
+    if token is not None:
+        env["RNGCOORD_TOKEN"] = token
+    started = time.monotonic()
+    with (workdir / "torchrun.log").open("w") as log:
+        proc = subprocess.Popen(
+            torchrun_command(spec, workdir),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert proc.stdout is not None
+        pump = threading.Thread(target=_pump, args=(proc.stdout, log, echo), daemon=True)
+        pump.start()
+        try:
+            returncode = proc.wait(JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            returncode = -int(signal.SIGTERM)
+            log.write(f"\n[demo] stopped after {JOB_TIMEOUT_S:.0f}s\n")
+        finally:
+            # Also when interrupted (Ctrl-C, a test's timeout). The workers run in sessions of
+            # their own; torchrun ends them when it gets SIGTERM.
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        pump.join()
+    return JobRun(spec, returncode, workdir, time.monotonic() - started)
+
+
+def _pump(stream: IO[str], log: IO[str], echo: Callable[[str], None] | None) -> None:
+    for line in stream:
+        log.write(line)
+        if echo is not None and line.startswith(TAG):
+            echo(line[len(TAG) :].rstrip("\n"))
+
+
+# --- what a run recorded --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Member:
+    """One rank's membership in one incarnation, as examples/train_tp.py recorded it."""
+
+    incarnation: int
+    job: str
+    group: str
+    epoch: int
+    rank: int
+    member_id: str
+
+
+def members(records: Path, incarnation: int) -> list[Member]:
+    """The members that incarnation `incarnation` of a run recorded, by rank."""
+    found = []
+    for path in sorted((records / f"incarnation-{incarnation}").glob("rank-*/member.json")):
+        data = json.loads(path.read_text())
+        found.append(
+            Member(
+                incarnation,
+                data["job"],
+                data["group"],
+                int(data["epoch"]),
+                int(data["rank"]),
+                data["member_id"],
+            )
+        )
+    return sorted(found, key=lambda m: m.rank)
+
+
+StepKey = tuple[int, int]
+"""(rank, step)."""
+
+
+def step_records(records: Path, incarnation: int | None = None) -> dict[StepKey, dict[str, Any]]:
+    """Each (rank, step)'s record: from `incarnation`, or by default from the last that ran it.
+
+    A record is {"step", "loss" (float.hex), "masks": {dropout module: hex of one 0/1 byte per
+    local element}, "sharded": [the modules whose activation is sharded]}.
+    """
+    found: dict[StepKey, dict[str, Any]] = {}
+    for inc_dir in sorted(records.glob("incarnation-*"), key=_incarnation_number):
+        if incarnation is not None and _incarnation_number(inc_dir) != incarnation:
+            continue
+        for path in inc_dir.glob("rank-*/step-*.json"):
+            rank = int(path.parent.name.removeprefix("rank-"))
+            data: dict[str, Any] = json.loads(path.read_text())
+            found[(rank, int(data["step"]))] = data
+    return found
+
+
+def _incarnation_number(path: Path) -> int:
+    return int(path.name.removeprefix("incarnation-"))
+
+
+# --- checks ---------------------------------------------------------------------------------
+
+
+def audit(
+    stub: coordinator_pb2_grpc.CoordinatorStub,
+    job: str,
+    kinds: Sequence[str] = (),
+    *,
+    token: str | None = None,
+) -> list[tuple[str, dict[str, Any]]]:
+    """The job's audit records, oldest first, as (kind, detail)."""
+    request = coordinator_pb2.ListAuditRequest(job=job, kinds=list(kinds))
+    return [
+        (rec.kind, json.loads(rec.detail))
+        for rec in stub.ListAudit(request, metadata=_metadata(token), timeout=30)
+    ]
+
+
+def check_group_reformed(
+    stub: coordinator_pb2_grpc.CoordinatorStub, job: str, *, token: str | None = None
+) -> Check:
+    """The restart formed epoch 2, starting at the high-water mark epoch 1 left."""
+    name = "the group re-formed in a new epoch"
+    high_water = 0
+    epochs: list[dict[str, Any]] = []
+    for kind, detail in audit(stub, job, ("epoch", "grant"), token=token):
+        if kind == "grant":
+            high_water = max(high_water, int(detail["end"]))
+        else:
+            epochs.append({**detail, "high_water": high_water})
+    if [int(e["epoch"]) for e in epochs] != [1, 2]:
+        return Check(name, False, f"expected epochs [1, 2] in the audit log, found {epochs}")
+    first, second = epochs
+    if set(first["members"]) & set(second["members"]):
+        return Check(name, False, f"epochs 1 and 2 share members: {epochs}")
+    if int(second["start"]) != second["high_water"] or second["high_water"] == 0:
+        return Check(
+            name,
+            False,
+            f"epoch 2 starts at {second['start']}, not at the high-water mark "
+            f"{second['high_water']} of epoch 1",
+        )
+    return Check(
+        name,
+        True,
+        f"epoch 1 (start {first['start']}) -> epoch 2 (start {second['start']}, the high-water "
+        f"mark: nothing reused), all {len(second['members'])} members new",
+    )
+
+
+def check_fenced(
+    stub: coordinator_pb2_grpc.CoordinatorStub, old: Sequence[Member], *, token: str | None = None
+) -> Check:
+    """A Reserve in the name of each old member is refused, in its epoch and in the current one.
+
+    The requests carry the identities the first incarnation really used, sent after the new
+    epoch formed: exactly what a leftover process of that incarnation would send.
+    """
+    name = "members of the old epoch are fenced"
+    if not old:
+        return Check(name, False, "the first incarnation recorded no members")
+    current = stub.GetGroup(
+        coordinator_pb2.GetGroupRequest(job=old[0].job, group=old[0].group),
+        metadata=_metadata(token),
+        timeout=10,
+    ).epoch
+    messages: list[str] = []
+    for member in old:
+        for epoch in (member.epoch, current):
+            request = coordinator_pb2.ReserveRequest(
+                job=member.job,
+                group=member.group,
+                epoch=epoch,
+                seq=0,
+                size=4,
+                fingerprint=b"leftover",
+                rank=member.rank,
+                member_id=member.member_id,
+            )
+            try:
+                lease = stub.Reserve(request, metadata=_metadata(token), timeout=10).lease
+            except grpc.RpcError as err:
+                code, message = err.code(), err.details() or ""
+                if code != grpc.StatusCode.FAILED_PRECONDITION:
+                    return Check(name, False, f"{member} in epoch {epoch}: {code.name} {message}")
+                messages.append(message)
+                continue
+            return Check(
+                name, False, f"{member} got a lease in epoch {epoch}: [{lease.start}, {lease.end})"
+            )
+    return Check(
+        name,
+        True,
+        f"{len(old)} members of epoch {old[0].epoch} refused in epoch {old[0].epoch} "
+        f'("{messages[0]}") and in epoch {current} ("{messages[1]}")',
+    )
+
+
+def check_fresh_numbers(records: Path) -> Check:
+    """After a plain restart, the steps the new incarnation re-ran drew other masks."""
+    name = "the restarted job drew fresh numbers"
+    before, after = step_records(records, 0), step_records(records, 1)
+    both = sorted(before.keys() & after.keys())
+    if not both:
+        return Check(name, False, "no step ran in both incarnations")
+    same = [key for key in both if before[key]["masks"] == after[key]["masks"]]
+    if same:
+        return Check(name, False, f"(rank, step) {same} drew the masks of the first incarnation")
+    return Check(
+        name, True, f"the masks of all {len(both)} (rank, step) that both incarnations ran differ"
+    )
+
+
+def check_ranks_agree(records: Path) -> Check:
+    """Dropout on a replicated DTensor drops the same elements on every rank; dropout on a
+    sharded one drops different elements on each shard; and every mask drops some, not all."""
+    name = "ranks agree on replicated dropout and differ on sharded dropout"
+    by_step: dict[int, dict[int, dict[str, Any]]] = {}
+    for (rank, step), data in step_records(records).items():
+        by_step.setdefault(step, {})[rank] = data
+    if not by_step:
+        return Check(name, False, "no step was recorded")
+    for step, ranks in sorted(by_step.items()):
+        first = ranks[min(ranks)]
+        for module in first["masks"]:
+            masks = [ranks[r]["masks"][module] for r in sorted(ranks)]
+            if module in first["sharded"]:
+                kind, held = "sharded", len(set(masks)) == len(masks)
+            else:
+                kind, held = "replicated", len(set(masks)) == 1
+            if not held:
+                return Check(name, False, f"step {step}: {kind} {module} masks {masks}")
+            if any(set(bytes.fromhex(m)) != {0, 1} for m in masks):
+                return Check(name, False, f"step {step}: {module} dropped none or all")
+    ranks_count = len(by_step[min(by_step)])
+    return Check(
+        name,
+        True,
+        f"{len(by_step)} steps on {ranks_count} ranks: masks of replicated activations "
+        "identical, masks of sharded ones distinct per shard",
+    )
+
+
+def check_bitwise_resume(reference: Path, resumed: Path, checkpoint_step: int) -> Check:
+    """Every (rank, step) of the resumed run has the reference run's masks and loss, bitwise."""
+    name = "the resumed run reproduces the uninterrupted run bitwise"
+    want, got = step_records(reference), step_records(resumed)
+    if not want or want.keys() != got.keys():
+        return Check(name, False, f"steps differ: reference {sorted(want)}, resumed {sorted(got)}")
+    for key in sorted(want):
+        for field in ("masks", "loss"):
+            if want[key][field] != got[key][field]:
+                return Check(name, False, f"(rank, step) {key}: {field} differ")
+    after = sorted({step for _, step in want if step > checkpoint_step})
+    ranks = len({rank for rank, _ in want})
+    return Check(
+        name,
+        True,
+        f"dropout masks and losses of steps {after[0]}..{after[-1]} (after the step-"
+        f"{checkpoint_step} checkpoint) on {ranks} ranks equal the reference's",
+    )
+
+
+def _metadata(token: str | None) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")] if token is not None else []
+
+
+# --- the demo -------------------------------------------------------------------------------
+
+
+def plan(workers: int, steps: int) -> tuple[int, int, int]:
+    """(fail_rank, fail_at_step, checkpoint_every): crash mid-run, a checkpoint or more earlier."""
+    fail_at_step = steps // 2 + 1
+    return min(1, workers - 1), fail_at_step, max(1, fail_at_step - 2)
+
+
+def last_checkpoint_before(fail_at_step: int, checkpoint_every: int) -> int:
+    return (fail_at_step - 1) // checkpoint_every * checkpoint_every
+
+
+@contextmanager
+def _workdir(keep: bool) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="rngcoord-demo-"))
+    try:
+        yield path
+    finally:
+        if not keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the demo with the `rngcoord demo` options (workers, steps, keep_dir); exit status."""
+    if args.steps < 2:
+        print("rngcoord demo: --steps must be at least 2 (a checkpoint, then a crash)")
+        return 2
+    started = time.monotonic()
+    with _workdir(args.keep_dir) as workdir:
+        checks = _run(workdir, args.workers, args.steps)
+        where = f"kept in {workdir}" if args.keep_dir else "removed (--keep-dir keeps it)"
+    print()
+    for check in checks:
+        print(check.line())
+    held = all(check.ok for check in checks)
+    print(
+        f"\nRESULT: {'PASS' if held else 'FAIL'}: {sum(c.ok for c in checks)} of {len(checks)} "
+        f"checks held in {time.monotonic() - started:.0f} s; work directory {where}"
+    )
+    return 0 if held else 1
+
+
+def _run(workdir: Path, workers: int, steps: int) -> list[Check]:
+    db_url = f"sqlite:///{workdir / 'rngcoord.db'}"
+    token = secrets.token_hex(16)
+    tokens = workdir / "tokens"
+    # One admin line: the token is valid for every job of the demo.
+    tokens.write_text(f"* {token}\n")
+    coordinator_log = (workdir / "coordinator.log").open("w")
+    configure("INFO", coordinator_log)
+    server = start_server("127.0.0.1:0", db_url, tokens=tokens)
+    fail_rank, fail_at_step, every = plan(workers, steps)
+    checkpoint_step = last_checkpoint_before(fail_at_step, every)
+    print(
+        f"rngcoord demo: {workers} CPU ranks of examples/train_tp.py under torchelastic\n"
+        f"  coordinator  {server.address}, store {db_url}, bearer tokens on\n"
+        f"  logs         {workdir}/*/torchrun.log, {workdir}/coordinator.log"
+    )
+    checks: list[Check] = []
+    channel = grpc.insecure_channel(server.address)
+    # The generated gRPC module carries no annotations.
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+    try:
+
+        def launch(title: str, spec: JobSpec) -> JobRun | None:
+            print(f"\n== {title}\n   $ torchrun ... {' '.join(_example_args(spec))}")
+            run = run_job(spec, server.address, workdir / spec.job, token=token, echo=_echo)
+            ok = run.returncode == 0
+            detail = f"exit status {run.returncode} after {run.seconds:.0f} s"
+            checks.append(Check(f"job {spec.job} finished", ok, detail))
+            if not ok:
+                print(f"   torchrun failed ({detail}); the end of {run.log}:\n{run.log_tail()}")
+                return None
+            return run
+
+        def report(check: Check) -> None:
+            checks.append(check)
+            print(f"   {check.line()}")
+
+        crash = JobSpec(
+            "demo-elastic", workers, steps, fail_at_step=fail_at_step, fail_rank=fail_rank
+        )
+        run = launch(
+            f"1. rank {fail_rank} crashes at step {fail_at_step}; torchelastic restarts "
+            "the workers; the group re-forms",
+            crash,
+        )
+        if run is not None:
+            report(check_group_reformed(stub, crash.job, token=token))
+            report(check_fresh_numbers(run.records))
+            report(check_fenced(stub, members(run.records, 0), token=token))
+
+        seed = secrets.randbits(64)
+        reference = JobSpec("demo-reference", workers, steps, seed=seed, checkpoint_every=every)
+        resumed = JobSpec(
+            "demo-resume",
+            workers,
+            steps,
+            seed=seed,
+            fail_at_step=fail_at_step,
+            fail_rank=fail_rank,
+            resume=True,
+            checkpoint_every=every,
+        )
+        ref_run = launch(f"2. a reference job, root seed {seed}, uninterrupted", reference)
+        if ref_run is not None:
+            report(check_ranks_agree(ref_run.records))
+        res_run = launch(
+            f"3. the same root seed, rank {fail_rank} crashes at step {fail_at_step}; the "
+            f"restart resumes from the step-{checkpoint_step} checkpoint (--resume)",
+            resumed,
+        )
+        if ref_run is not None and res_run is not None:
+            report(check_bitwise_resume(ref_run.records, res_run.records, checkpoint_step))
+    finally:
+        channel.close()
+        server.stop(grace_s=1.0)
+        coordinator_log.close()
+
+    print(f"\n== 4. the audit log ($ rngcoord audit --db {db_url})")
+    cli.main(["audit", "--db", db_url])
+    print(f"\n== 5. $ rngcoord verify --db {db_url}")
+    status = cli.main(["verify", "--db", db_url])
+    checks.append(
+        Check("rngcoord verify", status == 0, "exit status 0" if status == 0 else "see above")
+    )
+    return checks
+
+
+def _example_args(spec: JobSpec) -> list[str]:
+    args = [f"--steps {spec.steps}"]
+    if spec.fail_at_step is not None:
+        args.append(f"--fail-at-step {spec.fail_at_step} --fail-rank {spec.fail_rank}")
+    if spec.resume:
+        args.append("--resume")
+    return [EXAMPLE.relative_to(EXAMPLE.parent.parent).as_posix(), *args]
+
+
+def _echo(line: str) -> None:
+    print(f"   | {line}", flush=True)
