@@ -98,7 +98,7 @@ def install(
         client.close()
         raise
     previous = router.register(tracker)
-    if previous is not None:
+    if isinstance(previous, OffsetBasedRNGTracker):
         try:
             previous.close()
         except RNGCoordError as e:

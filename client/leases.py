@@ -35,15 +35,18 @@ from __future__ import annotations
 import hashlib
 import queue
 import threading
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from .connection import CoordinatorClient, JoinResult, Lease
-from .errors import CoordinatorUnavailable, InvalidRequest, RNGCoordError
+from .errors import CoordinatorUnavailable, DivergenceError, InvalidRequest, RNGCoordError
 
 #: The fingerprint chain's value before any op.
 INITIAL_DIGEST = hashlib.sha256(b"rngcoord/v1/ops").digest()
 FINGERPRINT_BYTES = 16
+# Op keys a divergence report lists, to point at where the ranks' code paths differ.
+_RECENT_OPS = 8
 
 
 @dataclass
@@ -61,10 +64,12 @@ class LeaseStats:
 
     Attributes:
         reserves: Reserve RPCs sent (all in the background thread).
+        received: Leases received.
         stalls: Ops that waited for a lease that had not arrived.
     """
 
     reserves: int = 0
+    received: int = 0
     stalls: int = 0
 
 
@@ -114,6 +119,7 @@ class LeaseManager:
         self._fingerprints: dict[int, bytes] = {}
         self._generation = 0
         self._fatal: RNGCoordError | None = None
+        self._recent: deque[bytes] = deque(maxlen=_RECENT_OPS)
         # The anchor and the op path's state; _anchor() sets them.
         self._anchor_seq = 0
         self._anchor_cursor = 0
@@ -153,6 +159,7 @@ class LeaseManager:
             self._extend(base, stop, digest)
         self._cursor = stop
         self._digest = digest
+        self._recent.append(op_key)
         return base
 
     def _seq_of(self, offset: int) -> int:
@@ -226,13 +233,22 @@ class LeaseManager:
                 f"{self.seed}: a member restored the group to another cursor; load the same "
                 "checkpoint on every rank and call install() again"
             )
-            self._fail(error)
-            raise error
+            raise self._fail(error)
 
-    def _fail(self, error: RNGCoordError) -> None:
+    def _fail(self, error: RNGCoordError) -> RNGCoordError:
+        """Make ``error`` final: every later op raises it. Returns it, for a divergence with
+        this rank's latest ops added."""
+        if isinstance(error, DivergenceError):
+            ops = "; ".join(key.decode() for key in reversed(list(self._recent)))
+            error = DivergenceError(
+                f"{error.message} Latest random ops of rank {self.rank} in group "
+                f"{self.group!r}, newest first: {ops or 'none'}",
+                error.code,
+            )
         self._fatal = error
         # Sends the next op, whatever its size, down the slow path, which raises `error`.
         self._limit = -1
+        return error
 
     # -- the background thread -----------------------------------------------------------
 
@@ -264,12 +280,12 @@ class LeaseManager:
             except CoordinatorUnavailable as e:
                 request.future.set_exception(e)
             except RNGCoordError as e:
-                self._fail(e)
-                request.future.set_exception(e)
+                request.future.set_exception(self._fail(e))
             except BaseException as e:  # never leave an op waiting on a dead thread
                 request.future.set_exception(e)
                 raise
             else:
+                self.stats.received += 1
                 request.future.set_result(lease)
 
     # -- anchors: epoch start and Restore -------------------------------------------------

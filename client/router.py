@@ -28,7 +28,7 @@ from .errors import RNGCoordError
 if TYPE_CHECKING:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-    from .tracker import OffsetBasedRNGTracker
+    from .tracker import RNGStateTracker
 
 _lock = threading.Lock()
 
@@ -38,9 +38,9 @@ class TrackerRouter(dtensor_random.OffsetBasedRNGTracker):
 
     def __init__(self) -> None:
         # Upstream's __init__ is deliberately not called (see the module docstring).
-        self._trackers: dict[int, OffsetBasedRNGTracker] = {}
+        self._trackers: dict[int, RNGStateTracker] = {}
 
-    def tracker(self) -> OffsetBasedRNGTracker:
+    def tracker(self) -> RNGStateTracker:
         """The calling rank's tracker."""
         rank = dist.get_rank()
         tracker = self._trackers.get(rank)
@@ -53,7 +53,7 @@ class TrackerRouter(dtensor_random.OffsetBasedRNGTracker):
         return tracker
 
     @property
-    def trackers(self) -> dict[int, OffsetBasedRNGTracker]:
+    def trackers(self) -> dict[int, RNGStateTracker]:
         """The registered trackers by global rank (a copy)."""
         return dict(self._trackers)
 
@@ -74,8 +74,11 @@ class TrackerRouter(dtensor_random.OffsetBasedRNGTracker):
         return self.tracker()._hop_offsets(spec, sys._getframe(1))
 
 
-def register(tracker: OffsetBasedRNGTracker) -> OffsetBasedRNGTracker | None:
+def register(tracker: RNGStateTracker) -> RNGStateTracker | None:
     """Make ``tracker`` its rank's DTensor tracker; return the one it replaces, if any.
+
+    :func:`rngcoord.client.install` registers the coordinator-backed tracker; a local
+    :class:`~rngcoord.client.RNGStateTracker` can be registered the same way.
 
     Installs the router as DTensor's tracker if it is not already (replacing an upstream
     tracker that DTensor may have created lazily).
@@ -90,7 +93,7 @@ def register(tracker: OffsetBasedRNGTracker) -> OffsetBasedRNGTracker | None:
         return previous if previous is not tracker else None
 
 
-def unregister(tracker: OffsetBasedRNGTracker) -> None:
+def unregister(tracker: RNGStateTracker) -> None:
     """Remove ``tracker`` from the router; with no tracker left, DTensor gets none."""
     with _lock:
         router = dtensor_random._rng_tracker

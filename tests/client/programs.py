@@ -1,0 +1,408 @@
+"""Per-rank programs for the client's distributed tests, and the launchers that run them.
+
+A *program* is a function ``program(ctx) -> dict`` that one rank runs after torch.distributed
+is up; what it returns is saved with ``torch.save`` and handed back to the test, which makes
+the cross-rank assertions. Two launchers run a program on ``world`` ranks:
+
+- :func:`start_gloo`: one subprocess per rank, a real gloo process group initialised by
+  ``rngcoord.client.init_mesh`` from torchrun-style environment variables;
+- :func:`run_threads`: one subprocess whose threads are the ranks of PyTorch's multi-threaded
+  process group (torch.testing._internal.distributed.multi_threaded_pg).
+
+Run as a script, this module is the subprocess: ``python programs.py MODE PROGRAM RANK WORLD
+OUTDIR ARGS_JSON``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+LAUNCH_TIMEOUT_S = 150.0
+
+
+# -- launchers (test side) --------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Job:
+    """Running rank subprocesses of one program."""
+
+    procs: list[subprocess.Popen[bytes]]
+    outdir: Path
+    logs: list[Path]
+    ranks: int
+    started: float = field(default_factory=time.monotonic)
+
+    def wait(self, timeout_s: float = LAUNCH_TIMEOUT_S) -> list[dict[str, Any]]:
+        """Wait for every rank; on a failure or timeout kill the rest and raise with logs."""
+        import torch
+
+        deadline = self.started + timeout_s
+        while any(p.poll() is None for p in self.procs):
+            failed = [p for p in self.procs if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        if any(p.returncode != 0 for p in self.procs):
+            output = "\n".join(
+                f"--- {log.name} (exit {p.returncode}) ---\n{log.read_text()[-6000:]}"
+                for p, log in zip(self.procs, self.logs, strict=True)
+            )
+            raise AssertionError(f"a rank failed or timed out:\n{output}")
+        return [
+            torch.load(self.outdir / f"rank{r}.pt", weights_only=False) for r in range(self.ranks)
+        ]
+
+
+def _spawn(
+    mode: str,
+    program: str,
+    rank: int,
+    world: int,
+    outdir: Path,
+    args: dict[str, Any],
+    env: dict[str, str],
+) -> tuple[subprocess.Popen[bytes], Path]:
+    log = outdir / f"{mode}-{program}-{rank}.log"
+    cmd = [
+        sys.executable,
+        str(HERE / "programs.py"),
+        mode,
+        program,
+        str(rank),
+        str(world),
+        str(outdir),
+        json.dumps(args),
+    ]
+    with log.open("wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    return proc, log
+
+
+def _child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RNGCOORD_")}
+    # Two busy cores: one intra-op thread per rank keeps the ranks from starving each other.
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def start_gloo(program: str, world: int, outdir: Path, **args: Any) -> Job:
+    """Start ``program`` on ``world`` gloo ranks, one subprocess each."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    env = _child_env()
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+    procs, logs = [], []
+    for rank in range(world):
+        proc, log = _spawn(
+            "gloo",
+            program,
+            rank,
+            world,
+            outdir,
+            args,
+            {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+        )
+        procs.append(proc)
+        logs.append(log)
+    return Job(procs, outdir, logs, world)
+
+
+def run_threads(program: str, world: int, outdir: Path, **args: Any) -> list[dict[str, Any]]:
+    """Run ``program`` on ``world`` thread-ranks of a multi-threaded process group."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    proc, log = _spawn("threads", program, 0, world, outdir, args, _child_env())
+    return Job([proc], outdir, [log], world).wait()
+
+
+def wait_file(path: Path, timeout_s: float = 60.0) -> None:
+    """Wait until ``path`` exists (a rank's signal to the test, or the test's to ranks)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.02)
+
+
+# -- rank side --------------------------------------------------------------------------------
+
+
+@dataclass
+class Ctx:
+    """What a program gets: its rank, the world size, its outdir and the test's arguments."""
+
+    rank: int
+    world: int
+    outdir: Path
+    args: dict[str, Any]
+
+
+PROGRAMS: dict[str, Callable[[Ctx], dict[str, Any]]] = {}
+
+
+def program(fn: Callable[[Ctx], dict[str, Any]]) -> Callable[[Ctx], dict[str, Any]]:
+    PROGRAMS[fn.__name__] = fn
+    return fn
+
+
+def first_half(mesh: Any) -> dict[str, Any]:
+    """Ops 1-5 of the op program on a 2x2 ("dp", "tp") mesh and its "tp" sub-meshes: the
+    local values by op name. Every group the program uses has drawn by its end."""
+    import torch.distributed.tensor as dt
+    from torch.distributed.tensor import Replicate as R
+    from torch.distributed.tensor import Shard as S
+
+    out = {
+        "rand_rep": dt.rand((8, 8), device_mesh=mesh, placements=[R(), R()]).to_local(),
+        "randn_shard": dt.randn((8, 8), device_mesh=mesh, placements=[S(0), S(1)]).to_local(),
+        "tp_rand": dt.rand((4, 4), device_mesh=mesh["tp"], placements=[S(0)]).to_local(),
+    }
+    x = dt.zeros((8, 16), device_mesh=mesh, placements=[R(), S(1)])
+    out["uniform"] = x.uniform_(-1.0, 1.0).to_local().clone()
+    out["normal"] = x.normal_(0.0, 2.0).to_local().clone()
+    return out
+
+
+def second_half(mesh: Any) -> dict[str, Any]:
+    """Ops 6-10: bernoulli_, dropout (replicated and sharded), a sub-mesh op, rand again."""
+    import torch.distributed.tensor as dt
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Replicate as R
+    from torch.distributed.tensor import Shard as S
+
+    b = dt.zeros((8, 8), device_mesh=mesh, placements=[S(0), R()])
+    ones = dt.ones((8, 8), device_mesh=mesh, placements=[R(), R()])
+    ones_s = dt.ones((8, 8), device_mesh=mesh, placements=[S(0), S(1)])
+    return {
+        "bernoulli": b.bernoulli_(0.5).to_local().clone(),
+        "dropout_rep": F.dropout(ones, p=0.5, training=True).to_local(),
+        "dropout_shard": F.dropout(ones_s, p=0.5, training=True).to_local(),
+        "tp_randn": dt.randn((4, 4), device_mesh=mesh["tp"], placements=[S(0)]).to_local(),
+        "rand_rep2": dt.rand((8, 8), device_mesh=mesh, placements=[R(), R()]).to_local(),
+    }
+
+
+def _clone(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() for k, v in values.items()}
+
+
+@program
+def semantics(ctx: Ctx) -> dict[str, Any]:
+    """The op program in several jobs of one coordinator, on a 2x2 mesh.
+
+    - job "<p>-a" (root seed S): both halves, with state_dict() at the midpoint, then
+      collectives over the dispatchable process group;
+    - job "<p>-b" (seed S, another lease size): both halves;
+    - job "<p>-c" (no seed: adopts the saved one): load_state_dict(), second half;
+    - job "<p>-a" again (a new epoch): load_state_dict() + Restore, second half;
+    - a local RNGStateTracker with job a's group seeds: both halves.
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.tensor as dt
+    from rngcoord.client import RNGStateTracker, init_mesh, install
+    from rngcoord.client.router import register, unregister
+    from torch.distributed.tensor import Replicate as R
+    from torch.distributed.tensor import Shard as S
+
+    mesh = init_mesh((2, 2), ("dp", "tp"), "cpu")
+    addr, seed, lease, prefix = (ctx.args[k] for k in ("addr", "seed", "lease_size", "prefix"))
+    out: dict[str, Any] = {"backend": str(dist.get_backend_config())}
+
+    a = install(mesh, addr, job=f"{prefix}-a", seed=seed, lease_size=lease)
+    values = _clone(first_half(mesh))
+    saved = a.state_dict()
+    values.update(_clone(second_half(mesh)))
+    out["a"] = values
+    out["saved"] = saved
+    out["member_id"] = a.member_id
+    out["groups"] = {name: (m.seed, m.epoch, m.cursor) for name, m in a.leases.items()}
+    out["rng_states"] = {k: v.clone() for k, v in a.rng_states.items()}
+    out["stats"] = {name: vars(m.stats).copy() for name, m in a.leases.items()}
+    import torch.distributed.tensor._random as dtensor_random
+    from rngcoord.client.router import TrackerRouter
+
+    router = dtensor_random._rng_tracker
+    assert isinstance(router, TrackerRouter)
+    out["router_members"] = {r: getattr(t, "member_id", None) for r, t in router.trackers.items()}
+
+    # Collectives over the job's dispatchable process group, between random ops.
+    x = dt.randn((8, 8), device_mesh=mesh, placements=[S(0), S(1)])
+    out["shard"] = x.to_local().clone()
+    out["redistributed"] = x.redistribute(mesh, [R(), R()]).to_local().clone()
+    total = torch.full((2,), float(ctx.rank + 1))
+    dist.all_reduce(total)
+    out["all_reduce"] = total
+    dp_sum = torch.full((1,), float(ctx.rank + 1))
+    dist.all_reduce(dp_sum, group=mesh.get_group("dp"))
+    out["all_reduce_dp"] = dp_sum
+    out["after_collectives"] = dt.rand((4,), device_mesh=mesh, placements=[R(), R()]).to_local()
+    a.close()
+
+    b = install(mesh, addr, job=f"{prefix}-b", seed=seed, lease_size=lease * 4)
+    values = _clone(first_half(mesh))
+    values.update(_clone(second_half(mesh)))
+    out["b"] = values
+    b.close()
+
+    c = install(mesh, addr, job=f"{prefix}-c", lease_size=lease)
+    c.load_state_dict(saved)
+    out["c"] = _clone(second_half(mesh))
+    out["c_job_seed"] = c.job_seed
+    c.close()
+
+    a2 = install(mesh, addr, job=f"{prefix}-a", lease_size=lease)
+    a2.load_state_dict(saved)
+    out["a_resumed"] = _clone(second_half(mesh))
+    out["a_resumed_epochs"] = {name: m.epoch for name, m in a2.leases.items()}
+    a2.close()
+
+    local = RNGStateTracker("cpu")
+    for name, (group_seed, _, _) in out["groups"].items():
+        local.set_seed(name, group_seed)
+    register(local)
+    try:
+        values = _clone(first_half(mesh))
+        values.update(_clone(second_half(mesh)))
+    finally:
+        unregister(local)
+    out["local"] = values
+    return out
+
+
+@program
+def divergence(ctx: Ctx) -> dict[str, Any]:
+    """Both ranks run rand((16,)) ops; rank 1 runs one extra randn((16,)) after op 5."""
+    import torch.distributed.tensor as dt
+    from rngcoord.client import DivergenceError, init_mesh, install
+    from torch.distributed.tensor import Replicate as R
+
+    mesh = init_mesh((ctx.world,), ("dp",), "cpu")
+    tracker = install(mesh, ctx.args["addr"], job=ctx.args["job"], seed=1, lease_size=64)
+    extra_after = ctx.args["extra_after"]
+    manager = None
+    for i in range(40):
+        try:
+            dt.rand((16,), device_mesh=mesh, placements=[R()])
+            if ctx.rank == 1 and i == extra_after:
+                dt.randn((16,), device_mesh=mesh, placements=[R()])
+        except DivergenceError as e:
+            (manager,) = tracker.leases.values()
+            return {"op": i, "cursor": manager.cursor, "message": str(e), "group": manager.group}
+    return {"op": None}
+
+
+@program
+def restart(ctx: Ctx) -> dict[str, Any]:
+    """rand((16,)) ops in three phases; between them the test kills, then restarts, the
+    coordinator. Lease size 256: lease 0 is current and lease 1 has arrived when it dies."""
+    import torch.distributed as dist
+    import torch.distributed.tensor as dt
+    from rngcoord.client import RNGStateTracker, init_mesh, install
+    from rngcoord.client.router import register, unregister
+    from torch.distributed.tensor import Replicate as R
+
+    mesh = init_mesh((ctx.world,), ("dp",), "cpu")
+    tracker = install(mesh, ctx.args["addr"], job="restart", seed=5, lease_size=256, retries=8)
+
+    def ops(n: int) -> list[Any]:
+        return [dt.rand((16,), device_mesh=mesh, placements=[R()]).to_local() for _ in range(n)]
+
+    values = ops(4)  # [0, 64): lease 0 current, lease 1 prefetched
+    (manager,) = tracker.leases.values()
+    while manager.stats.received < 2:
+        time.sleep(0.01)
+    dist.barrier()
+    if ctx.rank == 0:
+        (ctx.outdir / "phase1").touch()
+    wait_file(ctx.outdir / "go1")
+    values += ops(28)  # [64, 512): the rest of lease 0 and all of lease 1, offline
+    offline = vars(manager.stats).copy()
+    dist.barrier()
+    if ctx.rank == 0:
+        (ctx.outdir / "phase2").touch()
+    wait_file(ctx.outdir / "go2")
+    values += ops(20)  # [512, 832): leases 2 and 3 from the restarted coordinator
+    out = {
+        "values": values,
+        "offline_stats": offline,
+        "stats": vars(manager.stats).copy(),
+        "cursor": manager.cursor,
+        "group": manager.group,
+    }
+    seed = manager.seed
+    tracker.close()
+    local = RNGStateTracker("cpu")
+    local.set_seed(out["group"], seed)
+    register(local)
+    try:
+        out["local"] = ops(52)
+    finally:
+        unregister(local)
+    return out
+
+
+def main() -> None:
+    mode, name, rank_s, world_s, outdir_s, args_s = sys.argv[1:7]
+    world, outdir, args = int(world_s), Path(outdir_s), json.loads(args_s)
+    import torch
+
+    fn = PROGRAMS[name]
+    if mode == "gloo":
+        rank = int(rank_s)
+        out = fn(Ctx(rank, world, outdir, args))
+        torch.save(out, outdir / f"rank{rank}.pt")
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        return
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg
+
+    _install_threaded_pg()
+    # Per-thread process-group state, as PyTorch's threaded test harness sets it.
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    store = dist.HashStore()
+    failures: list[str] = []
+
+    def worker(rank: int) -> None:
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
+            out = fn(Ctx(rank, world, outdir, args))
+            torch.save(out, outdir / f"rank{rank}.pt")
+        except BaseException:
+            failures.append(f"rank {rank}:\n{traceback.format_exc()}")
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        print("\n".join(failures), file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
