@@ -46,7 +46,7 @@ from .errors import CoordinatorUnavailable, DivergenceError, InvalidRequest, RNG
 INITIAL_DIGEST = hashlib.sha256(b"rngcoord/v1/ops").digest()
 FINGERPRINT_BYTES = 16
 # Op keys a divergence report lists, to point at where the ranks' code paths differ.
-_RECENT_OPS = 8
+_RECENT_OPS = 16
 
 
 @dataclass

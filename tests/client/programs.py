@@ -333,6 +333,7 @@ def restart(ctx: Ctx) -> dict[str, Any]:
     (manager,) = tracker.leases.values()
     while manager.stats.received < 2:
         time.sleep(0.01)
+    online = vars(manager.stats).copy()
     dist.barrier()
     if ctx.rank == 0:
         (ctx.outdir / "phase1").touch()
@@ -346,6 +347,7 @@ def restart(ctx: Ctx) -> dict[str, Any]:
     values += ops(20)  # [512, 832): leases 2 and 3 from the restarted coordinator
     out = {
         "values": values,
+        "online_stats": online,
         "offline_stats": offline,
         "stats": vars(manager.stats).copy(),
         "cursor": manager.cursor,
@@ -360,6 +362,152 @@ def restart(ctx: Ctx) -> dict[str, Any]:
         out["local"] = ops(52)
     finally:
         unregister(local)
+    return out
+
+
+class FakeGPU:
+    """A cuda-like device module whose generator state is 16 bytes of (seed, offset), like
+    CUDA's Philox, and which logs every state set, per thread-rank."""
+
+    def __init__(self) -> None:
+        self.state = bytearray(16)
+        self.sets: dict[int, list[tuple[int, int]]] = {}
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def _is_in_bad_fork(self) -> bool:
+        return False
+
+    def device_count(self) -> int:
+        return 1
+
+    def current_device(self) -> int:
+        return 0
+
+    def set_device(self, index: int) -> None:
+        pass
+
+    def manual_seed_all(self, seed: int) -> None:
+        pass
+
+    def get_rng_state(self, device: object = None) -> Any:
+        import torch
+
+        return torch.frombuffer(bytearray(self.state), dtype=torch.uint8)
+
+    def set_rng_state(self, new_state: Any, device: object = None) -> None:
+        import struct
+
+        import torch.distributed as dist
+
+        assert new_state.dtype.is_floating_point is False and new_state.numel() == 16
+        self.state = bytearray(new_state.numpy().tobytes())
+        self.sets.setdefault(dist.get_rank(), []).append(struct.unpack("<Qq", self.state))
+
+
+_fake_lock = threading.Lock()
+_fake: FakeGPU | None = None
+
+
+def fake_gpu() -> FakeGPU:
+    """Register the "fakegpu" device once per process and return its module.
+
+    ``rename_privateuse1_backend`` plus ``torch._register_device_module`` make
+    ``torch.fakegpu`` the device handle, but DTensor's sharding propagation also builds fake
+    tensors on the mesh's device, which needs a device guard: torch 2.13's
+    ``_setup_privateuseone_for_python_backend`` registers the Python one. The device has no
+    kernels, so the DTensors' local shards stay on CPU (built with the DTensor constructor,
+    which does not move them); the RNG state is the device's.
+    """
+    global _fake
+    with _fake_lock:
+        if _fake is None:
+            from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+            _fake = FakeGPU()
+            _setup_privateuseone_for_python_backend("fakegpu", backend_module=_fake)
+        return _fake
+
+
+@program
+def fake_device(ctx: Ctx) -> dict[str, Any]:
+    """Random ops on a 2x2 mesh of the fake cuda-like device, lease size 32: the Philox
+    states the tracker sets, and DTensor's own offsets for each op's spec."""
+    import torch
+    import torch.distributed.tensor._random as dtensor_random
+    import torch.nn.functional as F
+    from rngcoord.client import OffsetsExhausted, init_mesh, install
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Replicate as R
+    from torch.distributed.tensor import Shard as S
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    fake = fake_gpu()
+    mesh = init_mesh((2, 2), ("dp", "tp"), "fakegpu")
+    tracker = install(mesh, ctx.args["addr"], job="fake", seed=ctx.args["seed"], lease_size=32)
+    upstream = object.__new__(dtensor_random.OffsetBasedRNGTracker)
+
+    def dtensor(shape: tuple[int, ...], placements: list[Any]) -> DTensor:
+        local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+        stride = torch._prims_common.make_contiguous_strides_for(shape)
+        meta = TensorMeta(torch.Size(shape), stride, torch.float32)
+        spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+        return DTensor(torch.zeros(local_shape), spec, requires_grad=False)
+
+    cases = [
+        ("uniform_", (8, 8), [S(0), S(1)], lambda t: t.uniform_()),
+        ("normal_", (5, 3), [R(), S(0)], lambda t: t.normal_()),
+        ("bernoulli_", (6,), [S(0), R()], lambda t: t.bernoulli_(0.5)),
+        ("dropout", (4, 10), [R(), R()], lambda t: F.dropout(t, 0.5)),
+        ("rand_like", (3, 7), [S(1), S(0)], lambda t: torch.rand_like(t)),
+        ("uniform_", (40,), [R(), S(0)], lambda t: t.uniform_()),
+    ]
+    ops = []
+    for name, shape, placements, run in cases:
+        t = dtensor(shape, placements)
+        before = len(fake.sets.get(ctx.rank, []))
+        run(t)
+        ops.append(
+            {
+                "name": name,
+                "numel": t.numel(),
+                "offsets": upstream._compute_rng_offsets(t._spec),
+                "sets": fake.sets[ctx.rank][before:],
+            }
+        )
+    (group,) = tracker.leases
+    manager = tracker.leases[group]
+    out: dict[str, Any] = {"ops": ops, "group": group, "job_seed": tracker.job_seed}
+
+    # DTensor's CUDA path asks only for the offsets: the tracker sets (seed, base) and
+    # run_dtensor_rng_op adds the shard start.
+    spec = dtensor((8, 8), [S(0), S(1)])._spec
+    before, cursor = len(fake.sets[ctx.rank]), manager.cursor
+    out["hop"] = {
+        "cursor": cursor,
+        "offsets": dtensor_random._rng_tracker._compute_rng_offsets(spec),
+        "upstream": upstream._compute_rng_offsets(spec),
+        "sets": fake.sets[ctx.rank][before:],
+        "cursor_after": manager.cursor,
+    }
+
+    # CUDA keeps the Philox offset as int64: an op that would reach 2^63 is refused, and
+    # leaves the stream where it was.
+    tracker.set_offset(group, (1 << 63) - 32)
+    try:
+        dtensor((8, 8), [R(), R()]).uniform_()
+    except OffsetsExhausted as e:
+        out["exhausted"] = str(e)
+    out["cursor_after_refusal"] = manager.cursor
+    before = len(fake.sets[ctx.rank])
+    dtensor((4, 4), [R(), R()]).uniform_()
+    out["last_sets"] = fake.sets[ctx.rank][before:]
+    tracker.close()
     return out
 
 

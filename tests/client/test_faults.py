@@ -1,0 +1,84 @@
+"""Faults a job must survive or report: ranks that diverge, and a coordinator restart.
+
+- Divergence: two thread-ranks run the same rand((16,)) ops, except that rank 1 runs one
+  extra randn((16,)). The coordinator sees different fingerprints for the first lease
+  requested after the extra op, and both ranks get a DivergenceError naming the group, the
+  epoch, the lease and both ranks, with their latest ops by name.
+- Restart: two gloo processes keep drawing from their prefetched lease while the coordinator
+  is down (killed with SIGKILL), and reconnect once it is back on the same store; the values
+  are exactly those of an uninterrupted stream.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from programs import run_threads, start_gloo, wait_file
+from rngcoord.client import CoordinatorClient
+
+OP = 16  # offsets per op: rand((16,))
+LEASE = 64
+
+
+def test_extra_op_is_reported_within_one_lease(coordinator: Any, tmp_path: Path) -> None:
+    extra_after = 5
+    results = run_threads(
+        "divergence", 2, tmp_path, addr=coordinator.address, job="div", extra_after=extra_after
+    )
+    # Rank 1's extra op starts at cursor 96, in lease 1. Lease 2's request (fingerprinted at
+    # the op that first touches lease 1) predates it; lease 3's is the first whose
+    # fingerprints differ, so the coordinator reports seq 3, when lease 2 becomes current.
+    extra_cursor = (extra_after + 1) * OP
+    first_divergent_seq = extra_cursor // LEASE + 2
+    assert first_divergent_seq == 3
+    group = "dp:2[0.1]"
+    for rank, result in enumerate(results):
+        assert result["op"] is not None, f"rank {rank} never saw the divergence"
+        message = result["message"]
+        assert result["group"] == group
+        assert f"divergence in group {group!r} epoch 1 seq {first_divergent_seq}" in message
+        assert "rank 0" in message and "rank 1" in message
+        assert f"Latest random ops of rank {rank} in group {group!r}" in message
+        assert "torch.rand(16,)" in message
+        # The error comes, at the latest, with the op that needs the lease after the one
+        # refused to the first requester: lease 4, at cursor 256.
+        assert result["cursor"] <= (first_divergent_seq + 1) * LEASE, result
+    assert "torch.randn(16,)" in results[1]["message"]
+    assert "torch.randn" not in results[0]["message"]
+    with CoordinatorClient(coordinator.address) as client:
+        records = client.list_audit(job="div", kinds=["divergence"])
+    assert len(records) == 1 and records[0].group == group
+
+
+def test_job_outlives_a_coordinator_restart(coordinator: Any, tmp_path: Path) -> None:
+    job = start_gloo("restart", 2, tmp_path, addr=coordinator.address)
+    try:
+        wait_file(tmp_path / "phase1")
+        coordinator.kill()
+        (tmp_path / "go1").touch()
+        wait_file(tmp_path / "phase2")
+        coordinator.restart()
+        (tmp_path / "go2").touch()
+    finally:
+        results = job.wait()
+    for result in results:
+        # While the coordinator was down, 28 ops ran on the lease in hand and the prefetched
+        # one, without waiting for any lease.
+        assert result["offline_stats"]["stalls"] == result["online_stats"]["stalls"]
+        assert result["offline_stats"]["received"] == result["online_stats"]["received"] == 2
+        # After the restart the job asked for (and got) the leases it needed next.
+        assert result["stats"]["received"] >= 4
+        assert result["cursor"] == 52 * OP
+        values = result["values"]
+        assert len(values) == 52
+        # Bitwise what an uninterrupted stream with the group's seed gives.
+        for got, expected in zip(values, result["local"], strict=True):
+            assert bool((got == expected).all())
+    assert all(
+        bool((a == b).all())
+        for a, b in zip(results[0]["values"], results[1]["values"], strict=True)
+    )
+    with CoordinatorClient(coordinator.address) as client:
+        info = client.get_group("restart", results[0]["group"])
+    assert info.epoch == 1 and info.leases >= 4
