@@ -33,8 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -352,6 +351,9 @@ def check_fenced(
         metadata=_metadata(token),
         timeout=10,
     ).epoch
+    if any(member.epoch >= current for member in old):
+        # Probing a live member would allocate (or diverge) a real lease.
+        return Check(name, False, f"the group is still in epoch {current}: no newer epoch formed")
     messages: list[str] = []
     for member in old:
         for epoch in (member.epoch, current):
@@ -466,29 +468,23 @@ def last_checkpoint_before(fail_at_step: int, checkpoint_every: int) -> int:
     return (fail_at_step - 1) // checkpoint_every * checkpoint_every
 
 
-@contextmanager
-def _workdir(keep: bool) -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="rngcoord-demo-"))
-    try:
-        yield path
-    finally:
-        if not keep:
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def main(args: argparse.Namespace) -> int:
     """Run the demo with the `rngcoord demo` options (workers, steps, keep_dir); exit status."""
     if args.steps < 2:
         print("rngcoord demo: --steps must be at least 2 (a checkpoint, then a crash)")
         return 2
     started = time.monotonic()
-    with _workdir(args.keep_dir) as workdir:
-        checks = _run(workdir, args.workers, args.steps)
-        where = f"kept in {workdir}" if args.keep_dir else "removed (--keep-dir keeps it)"
+    workdir = Path(tempfile.mkdtemp(prefix="rngcoord-demo-"))
+    try:
+        checks = _Demo(workdir, args.workers, args.steps).run()
+    finally:
+        if not args.keep_dir:
+            shutil.rmtree(workdir, ignore_errors=True)
     print()
     for check in checks:
         print(check.line())
     held = all(check.ok for check in checks)
+    where = f"kept in {workdir}" if args.keep_dir else "removed (--keep-dir keeps it)"
     print(
         f"\nRESULT: {'PASS' if held else 'FAIL'}: {sum(c.ok for c in checks)} of {len(checks)} "
         f"checks held in {time.monotonic() - started:.0f} s; work directory {where}"
@@ -496,91 +492,118 @@ def main(args: argparse.Namespace) -> int:
     return 0 if held else 1
 
 
-def _run(workdir: Path, workers: int, steps: int) -> list[Check]:
-    db_url = f"sqlite:///{workdir / 'rngcoord.db'}"
-    token = secrets.token_hex(16)
-    tokens = workdir / "tokens"
-    # One admin line: the token is valid for every job of the demo.
-    tokens.write_text(f"* {token}\n")
-    coordinator_log = (workdir / "coordinator.log").open("w")
-    configure("INFO", coordinator_log)
-    server = start_server("127.0.0.1:0", db_url, tokens=tokens)
-    fail_rank, fail_at_step, every = plan(workers, steps)
-    checkpoint_step = last_checkpoint_before(fail_at_step, every)
-    print(
-        f"rngcoord demo: {workers} CPU ranks of examples/train_tp.py under torchelastic\n"
-        f"  coordinator  {server.address}, store {db_url}, bearer tokens on\n"
-        f"  logs         {workdir}/*/torchrun.log, {workdir}/coordinator.log"
-    )
-    checks: list[Check] = []
-    channel = grpc.insecure_channel(server.address)
-    # The generated gRPC module carries no annotations.
-    stub = coordinator_pb2_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
-    try:
+class _Demo:
+    """One run of the demo in `workdir`: the coordinator, three jobs, their checks."""
 
-        def launch(title: str, spec: JobSpec) -> JobRun | None:
-            print(f"\n== {title}\n   $ torchrun ... {' '.join(_example_args(spec))}")
-            run = run_job(spec, server.address, workdir / spec.job, token=token, echo=_echo)
-            ok = run.returncode == 0
-            detail = f"exit status {run.returncode} after {run.seconds:.0f} s"
-            checks.append(Check(f"job {spec.job} finished", ok, detail))
-            if not ok:
-                print(f"   torchrun failed ({detail}); the end of {run.log}:\n{run.log_tail()}")
-                return None
-            return run
+    def __init__(self, workdir: Path, workers: int, steps: int) -> None:
+        self.workdir = workdir
+        self.workers = workers
+        self.steps = steps
+        self.db_url = f"sqlite:///{workdir / 'rngcoord.db'}"
+        self.token = secrets.token_hex(16)
+        self.fail_rank, self.fail_at_step, self.every = plan(workers, steps)
+        self.checks: list[Check] = []
 
-        def report(check: Check) -> None:
-            checks.append(check)
-            print(f"   {check.line()}")
+    def run(self) -> list[Check]:
+        tokens = self.workdir / "tokens"
+        # One admin line: the token is valid for every job of the demo.
+        tokens.write_text(f"* {self.token}\n")
+        with (self.workdir / "coordinator.log").open("w") as coordinator_log:
+            configure("INFO", coordinator_log)
+            server = start_server("127.0.0.1:0", self.db_url, tokens=tokens)
+            print(
+                f"rngcoord demo: {self.workers} CPU ranks of examples/train_tp.py under "
+                f"torchelastic\n"
+                f"  coordinator  {server.address}, store {self.db_url}, bearer tokens on\n"
+                f"  logs         {self.workdir}/*/torchrun.log, {coordinator_log.name}"
+            )
+            channel = grpc.insecure_channel(server.address)
+            try:
+                # The generated gRPC module carries no annotations.
+                stub = coordinator_pb2_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+                self._jobs(server.address, stub)
+            finally:
+                channel.close()
+                server.stop(grace_s=1.0)
 
+            print(f"\n== 4. the audit log ($ rngcoord audit --db {self.db_url})")
+            cli.main(["audit", "--db", self.db_url])
+            print(f"\n== 5. $ rngcoord verify --db {self.db_url}")
+            status = cli.main(["verify", "--db", self.db_url])
+            self.checks.append(
+                Check("rngcoord verify", status == 0, f"exit status {status}, output above")
+            )
+        return self.checks
+
+    def _jobs(self, address: str, stub: coordinator_pb2_grpc.CoordinatorStub) -> None:
         crash = JobSpec(
-            "demo-elastic", workers, steps, fail_at_step=fail_at_step, fail_rank=fail_rank
+            "demo-elastic",
+            self.workers,
+            self.steps,
+            fail_at_step=self.fail_at_step,
+            fail_rank=self.fail_rank,
+            checkpoint_every=self.every,
         )
-        run = launch(
-            f"1. rank {fail_rank} crashes at step {fail_at_step}; torchelastic restarts "
-            "the workers; the group re-forms",
+        run = self._launch(
+            f"1. rank {self.fail_rank} crashes at step {self.fail_at_step}; torchelastic "
+            "restarts the workers; the group re-forms",
             crash,
+            address,
         )
         if run is not None:
-            report(check_group_reformed(stub, crash.job, token=token))
-            report(check_fresh_numbers(run.records))
-            report(check_fenced(stub, members(run.records, 0), token=token))
+            self._report(check_group_reformed(stub, crash.job, token=self.token))
+            self._report(check_fresh_numbers(run.records))
+            self._report(check_fenced(stub, members(run.records, 0), token=self.token))
 
         seed = secrets.randbits(64)
-        reference = JobSpec("demo-reference", workers, steps, seed=seed, checkpoint_every=every)
+        reference = JobSpec(
+            "demo-reference", self.workers, self.steps, seed=seed, checkpoint_every=self.every
+        )
+        ref_run = self._launch(
+            f"2. a reference job, root seed {seed}, uninterrupted", reference, address
+        )
+        if ref_run is not None:
+            self._report(check_ranks_agree(ref_run.records))
+
+        checkpoint_step = last_checkpoint_before(self.fail_at_step, self.every)
         resumed = JobSpec(
             "demo-resume",
-            workers,
-            steps,
+            self.workers,
+            self.steps,
             seed=seed,
-            fail_at_step=fail_at_step,
-            fail_rank=fail_rank,
+            fail_at_step=self.fail_at_step,
+            fail_rank=self.fail_rank,
             resume=True,
-            checkpoint_every=every,
+            checkpoint_every=self.every,
         )
-        ref_run = launch(f"2. a reference job, root seed {seed}, uninterrupted", reference)
-        if ref_run is not None:
-            report(check_ranks_agree(ref_run.records))
-        res_run = launch(
-            f"3. the same root seed, rank {fail_rank} crashes at step {fail_at_step}; the "
-            f"restart resumes from the step-{checkpoint_step} checkpoint (--resume)",
+        res_run = self._launch(
+            f"3. the same root seed; rank {self.fail_rank} crashes at step "
+            f"{self.fail_at_step}; the restart resumes from the step-{checkpoint_step} "
+            "checkpoint (--resume)",
             resumed,
+            address,
         )
         if ref_run is not None and res_run is not None:
-            report(check_bitwise_resume(ref_run.records, res_run.records, checkpoint_step))
-    finally:
-        channel.close()
-        server.stop(grace_s=1.0)
-        coordinator_log.close()
+            self._report(check_bitwise_resume(ref_run.records, res_run.records, checkpoint_step))
 
-    print(f"\n== 4. the audit log ($ rngcoord audit --db {db_url})")
-    cli.main(["audit", "--db", db_url])
-    print(f"\n== 5. $ rngcoord verify --db {db_url}")
-    status = cli.main(["verify", "--db", db_url])
-    checks.append(
-        Check("rngcoord verify", status == 0, "exit status 0" if status == 0 else "see above")
-    )
-    return checks
+    def _launch(self, title: str, spec: JobSpec, address: str) -> JobRun | None:
+        print(f"\n== {title}\n   $ torchrun ... {' '.join(_example_args(spec))}")
+        run = run_job(spec, address, self.workdir / spec.job, token=self.token, echo=self._echo)
+        ok = run.returncode == 0
+        detail = f"exit status {run.returncode} after {run.seconds:.0f} s"
+        self.checks.append(Check(f"job {spec.job} finished", ok, detail))
+        if not ok:
+            print(f"   torchrun failed ({detail}); the end of {run.log}:\n{run.log_tail()}")
+            return None
+        return run
+
+    def _echo(self, line: str) -> None:
+        # Paths under the work directory, which the header names, print relative to it.
+        print(f"   | {line.replace(f'{self.workdir}/', '')}", flush=True)
+
+    def _report(self, check: Check) -> None:
+        self.checks.append(check)
+        print(f"   {check.line()}")
 
 
 def _example_args(spec: JobSpec) -> list[str]:
@@ -590,7 +613,3 @@ def _example_args(spec: JobSpec) -> list[str]:
     if spec.resume:
         args.append("--resume")
     return [EXAMPLE.relative_to(EXAMPLE.parent.parent).as_posix(), *args]
-
-
-def _echo(line: str) -> None:
-    print(f"   | {line}", flush=True)
