@@ -69,7 +69,7 @@ def group_name(dim_names: Sequence[str] | None, shape: Sequence[int], ranks: Seq
     prefix where possible and end in a digest of the whole identity:
 
     >>> group_name(("dp",), (64,), list(range(0, 128, 2)))
-    'dp:64[sha:d4fc9ae8930aa7c7]'
+    'dp:64[sha:b255db686f49bb79]'
     """
     names = list(dim_names) if dim_names else [f"d{i}" for i in range(len(shape))]
     dims = ",".join(f"{n}:{s}" for n, s in zip(names, shape, strict=True))

@@ -231,7 +231,10 @@ def semantics(ctx: Ctx) -> dict[str, Any]:
     out: dict[str, Any] = {"backend": str(dist.get_backend_config())}
 
     a = install(mesh, addr, job=f"{prefix}-a", seed=seed, lease_size=lease)
+    cpu_state = torch.get_rng_state()
     values = _clone(first_half(mesh))
+    # Meaningful in a process of its own: thread-ranks share the CPU generator.
+    out["cpu_state_kept"] = torch.equal(cpu_state, torch.get_rng_state())
     saved = a.state_dict()
     values.update(_clone(second_half(mesh)))
     out["a"] = values
@@ -258,6 +261,16 @@ def semantics(ctx: Ctx) -> dict[str, Any]:
     dist.all_reduce(dp_sum, group=mesh.get_group("dp"))
     out["all_reduce_dp"] = dp_sum
     out["after_collectives"] = dt.rand((4,), device_mesh=mesh, placements=[R(), R()]).to_local()
+
+    # A user generator is the user's own stream: DTensor semantics, no coordinator.
+    user = torch.Generator().manual_seed(77)
+    cursor = a.get_offset("dp:2,tp:2[0-3]")
+    y = dt.zeros((8, 8), device_mesh=mesh, placements=[S(0), S(1)])
+    out["user_shard"] = y.uniform_(generator=user).to_local().clone()
+    z = dt.zeros((8, 8), device_mesh=mesh, placements=[R(), R()])
+    out["user_rep"] = z.uniform_(generator=user).to_local().clone()
+    out["user_state"] = user.get_state()
+    out["user_cursor_moved"] = a.get_offset("dp:2,tp:2[0-3]") - cursor
     a.close()
 
     b = install(mesh, addr, job=f"{prefix}-b", seed=seed, lease_size=lease * 4)

@@ -105,6 +105,16 @@ def check_semantics(results: list[dict[str, Any]], prefix: str, address: str) ->
         assert results[rank]["all_reduce_dp"].tolist() == [4.0 if tp == 0 else 6.0]
         assert _same(results[rank]["after_collectives"], results[0]["after_collectives"])
 
+    # A user generator: replicas identical, shards distinct, the generator advanced the same
+    # way on every rank, and the coordinator's stream untouched.
+    for rank in range(4):
+        assert results[rank]["user_cursor_moved"] == 0
+        assert _same(results[rank]["user_rep"], results[0]["user_rep"])
+        assert _same(results[rank]["user_state"], results[0]["user_state"])
+        for other in range(rank + 1, 4):
+            assert _disjoint(results[rank]["user_shard"], results[other]["user_shard"])
+    assert _disjoint(results[0]["user_rep"], a[0]["rand_rep"])
+
     # The coordinator recorded the Restores, one per group and resumed job.
     with CoordinatorClient(address) as client:
         restores = client.list_audit(kinds=["restore"])
@@ -120,6 +130,8 @@ def test_gloo_processes(coordinator: Any, tmp_path: Path) -> None:
     )
     results = job.wait()
     assert {r["backend"] for r in results} == {"cpu:gloo"}
+    # Each rank's own CPU generator is as it was: the tracker restores it after each op.
+    assert all(r["cpu_state_kept"] for r in results)
     # One tracker per process, each with its own member id.
     members = [r["router_members"] for r in results]
     assert [list(m) for m in members] == [[0], [1], [2], [3]]

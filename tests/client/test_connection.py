@@ -1,0 +1,95 @@
+"""CoordinatorClient against real coordinators: failover, the errors of refused requests,
+bearer tokens and TLS."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rngcoord.client import (
+    AuthenticationError,
+    CoordinatorClient,
+    FailedPreconditionError,
+    InvalidRequest,
+    JoinTimeoutError,
+    NotFoundError,
+)
+
+
+def _closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_fails_over_to_the_next_target(coordinator: Any) -> None:
+    with CoordinatorClient([_closed_port(), coordinator.address], backoff_s=0.01) as client:
+        joined = client.join_group("failover", "g", 0, 1, "m0", job_seed=9)
+        assert (joined.epoch, joined.job_seed, joined.members) == (1, 9, ("m0",))
+        lease = client.reserve("failover", "g", 1, 0, 64, b"fp", 0, "m0")
+        assert (lease.seq, lease.start, lease.end, lease.seed) == (0, 0, 64, joined.seed)
+        assert not lease.existing
+        assert client.reserve("failover", "g", 1, 0, 64, b"fp", 0, "m0").existing
+        info = client.get_group("failover", "g")
+        assert (info.epoch, info.high_water, info.leases) == (1, 64, 1)
+        assert client.restore("failover", "g", 1, 1, 0, 0, "m0").cursor == 0
+        client.leave_group("failover", "g", 1, 0, "m0")
+        assert client.get_group("failover", "g").members == ("",)
+        kinds = [r.kind for r in client.list_audit(job="failover")]
+        assert kinds[:3] == ["job", "group", "epoch"] and kinds[-1] == "leave"
+
+
+def test_refusals_name_what_failed(coordinator: Any) -> None:
+    with CoordinatorClient(coordinator.address) as client:
+        with pytest.raises(NotFoundError, match="check the job and group names"):
+            client.get_group("nosuchjob", "g")
+        with pytest.raises(InvalidRequest, match="group"):
+            client.join_group("refusals", "bad name!", 0, 1, "m0")
+        client.join_group("refusals", "g", 0, 1, "m0", job_seed=1)
+        with pytest.raises(FailedPreconditionError, match="root seed 1"):
+            client.join_group("refusals", "g2", 0, 1, "m0", job_seed=2)
+        with pytest.raises(FailedPreconditionError, match="not a member"):
+            client.reserve("refusals", "g", 1, 0, 64, b"fp", 0, "intruder")
+        with pytest.raises(JoinTimeoutError, match=r"\[1\]"):
+            client.join_group("refusals", "pair", 0, 2, "m0", timeout_s=0.3)
+
+
+def test_token_and_tls(coordinator_factory: Any, tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    tokens = tmp_path / "tokens"
+    tokens.write_text("secure s3cret\n")
+    server = coordinator_factory(
+        args=("--tokens", str(tokens), "--tls-cert", str(cert), "--tls-key", str(key))
+    )
+    with CoordinatorClient(server.address, token="s3cret", tls_ca=str(cert)) as client:
+        assert client.join_group("secure", "g", 0, 1, "m0").epoch == 1
+    with (
+        CoordinatorClient(server.address, token="wrong", tls_ca=str(cert)) as client,
+        pytest.raises(AuthenticationError, match="RNGCOORD_TOKEN"),
+    ):
+        client.get_group("secure", "g")
+
+
+def test_joins_of_one_epoch_agree(coordinator: Any) -> None:
+    results: dict[int, Any] = {}
+    with CoordinatorClient(coordinator.address) as client:
+
+        def run(rank: int) -> None:
+            results[rank] = client.join_group("agree", "g", rank, 3, f"m{rank}", job_seed=4)
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len({(r.epoch, r.seed, r.start, r.members) for r in results.values()}) == 1
