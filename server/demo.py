@@ -135,6 +135,8 @@ def torchrun_command(spec: JobSpec, workdir: Path) -> list[str]:
         sys.executable,
         "-m",
         "torch.distributed.run",
+        # One node, elastic all the same: c10d rendezvous rounds and restarts. A range such as
+        # 1:2 would make every round wait last_call_timeout (30 s) for a second node.
         "--nnodes=1:1",
         f"--nproc-per-node={spec.workers}",
         "--rdzv-backend=c10d",
@@ -143,6 +145,8 @@ def torchrun_command(spec: JobSpec, workdir: Path) -> list[str]:
         f"--rdzv-id={spec.job}",
         "--max-restarts=1",
         str(EXAMPLE),
+        # CPU and gloo even on a GPU host: several ranks may share a host with one GPU.
+        "--device=cpu",
         f"--steps={spec.steps}",
         f"--checkpoint-dir={workdir / 'checkpoints'}",
         f"--checkpoint-every={spec.checkpoint_every}",
@@ -232,7 +236,16 @@ def _pump(stream: IO[str], log: IO[str], echo: Callable[[str], None] | None) -> 
 
 @dataclass(frozen=True)
 class Member:
-    """One rank's membership in one incarnation, as examples/train_tp.py recorded it."""
+    """One rank's membership in one incarnation, as examples/train_tp.py recorded it.
+
+    Args:
+        incarnation: torchelastic's restart count of the workers that recorded it (0 first).
+        job: the job name.
+        group: the group the "tp" mesh forms.
+        epoch: the epoch the rank joined.
+        rank: the rank in the group.
+        member_id: the member id the rank's tracker joined with.
+    """
 
     incarnation: int
     job: str

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 from conftest import CoordinatorProcess, run_cli
-
 from rngcoord.server import demo
 
 WORKERS, STEPS = 4, 6
