@@ -133,16 +133,13 @@ def init_mesh(
             current accelerator if there is one, else ``"cpu"``.
     """
     device_type = device_type or _default_device_type()
-    if device_type != "cpu":
+    if not dist.is_initialized():
         handle = device_handle(device_type)
         count = getattr(handle, "device_count", None)
         set_device = getattr(handle, "set_device", None)
         if callable(count) and callable(set_device) and count() > 0:
-            rank = (
-                int(os.environ.get("RANK", "0")) if not dist.is_initialized() else dist.get_rank()
-            )
+            rank = int(os.environ.get("RANK", "0"))
             set_device(int(os.environ.get("LOCAL_RANK", rank % count())))
-    if not dist.is_initialized():
         dist.init_process_group(backend=dispatchable_backend([device_type]))
     names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
     return init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=names)
