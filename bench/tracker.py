@@ -206,9 +206,10 @@ def main() -> None:
 
 
 def run(addr: str, ops: int, trials: int) -> dict[str, Any]:
-    _install_threaded_pg()
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    store = dist.HashStore()
+    _install_threaded_pg()  # type: ignore[no-untyped-call]
+    # Per-thread process-group state, as PyTorch's threaded test harness sets it.
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
+    store = dist.HashStore()  # type: ignore[attr-defined]
     joined = threading.Barrier(WORLD)
     done = threading.Event()
     out: dict[str, Any] = {}

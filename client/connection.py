@@ -44,7 +44,7 @@ _RETRIABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EX
 _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_reconnect_backoff_ms", 500),
 ]
 _MAX_SLEEP_S = 5.0
 
@@ -133,6 +133,8 @@ class CoordinatorClient:
         retries: Attempts after the first one on UNAVAILABLE or DEADLINE_EXCEEDED. Default 5.
         backoff_s: First backoff; it doubles after each attempt, with +-50% jitter, capped at
             5 s. A failover to a target not yet tried in this call does not wait. Default 0.1.
+            Channels reconnect at least every 0.5 s, so retries whose backoffs add up to more
+            than that pick up a restarted coordinator (the defaults wait about 3 s in all).
     """
 
     def __init__(

@@ -678,7 +678,9 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         requested; a group not joined yet restores when it joins. Every rank of a group must
         load at the same point of its op sequence. If no root seed was given and no group
         is joined, the job adopts the state's root seed (a new job then draws the same
-        values as the saved one).
+        values as the saved one). Groups absent from ``state`` (they had not drawn when it
+        was saved) are left alone: they start at their high-water mark when joined, so save
+        once every mesh has drawn for a bitwise resume of everything.
 
         Raises:
             InvalidRequest: the state is malformed, or a group's seed differs from the

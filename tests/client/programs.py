@@ -161,6 +161,14 @@ class Ctx:
 PROGRAMS: dict[str, Callable[[Ctx], dict[str, Any]]] = {}
 
 
+def local(t: object) -> Any:
+    """The local shard of a DTensor (random ops on DTensors must return DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(t, DTensor), type(t)
+    return t.to_local()
+
+
 def program(fn: Callable[[Ctx], dict[str, Any]]) -> Callable[[Ctx], dict[str, Any]]:
     PROGRAMS[fn.__name__] = fn
     return fn
@@ -174,13 +182,13 @@ def first_half(mesh: Any) -> dict[str, Any]:
     from torch.distributed.tensor import Shard as S
 
     out = {
-        "rand_rep": dt.rand((8, 8), device_mesh=mesh, placements=[R(), R()]).to_local(),
-        "randn_shard": dt.randn((8, 8), device_mesh=mesh, placements=[S(0), S(1)]).to_local(),
-        "tp_rand": dt.rand((4, 4), device_mesh=mesh["tp"], placements=[S(0)]).to_local(),
+        "rand_rep": local(dt.rand((8, 8), device_mesh=mesh, placements=[R(), R()])),
+        "randn_shard": local(dt.randn((8, 8), device_mesh=mesh, placements=[S(0), S(1)])),
+        "tp_rand": local(dt.rand((4, 4), device_mesh=mesh["tp"], placements=[S(0)])),
     }
     x = dt.zeros((8, 16), device_mesh=mesh, placements=[R(), S(1)])
-    out["uniform"] = x.uniform_(-1.0, 1.0).to_local().clone()
-    out["normal"] = x.normal_(0.0, 2.0).to_local().clone()
+    out["uniform"] = local(x.uniform_(-1.0, 1.0)).clone()
+    out["normal"] = local(x.normal_(0.0, 2.0)).clone()
     return out
 
 
@@ -195,11 +203,11 @@ def second_half(mesh: Any) -> dict[str, Any]:
     ones = dt.ones((8, 8), device_mesh=mesh, placements=[R(), R()])
     ones_s = dt.ones((8, 8), device_mesh=mesh, placements=[S(0), S(1)])
     return {
-        "bernoulli": b.bernoulli_(0.5).to_local().clone(),
-        "dropout_rep": F.dropout(ones, p=0.5, training=True).to_local(),
-        "dropout_shard": F.dropout(ones_s, p=0.5, training=True).to_local(),
-        "tp_randn": dt.randn((4, 4), device_mesh=mesh["tp"], placements=[S(0)]).to_local(),
-        "rand_rep2": dt.rand((8, 8), device_mesh=mesh, placements=[R(), R()]).to_local(),
+        "bernoulli": local(b.bernoulli_(0.5)).clone(),
+        "dropout_rep": local(F.dropout(ones, p=0.5, training=True)),
+        "dropout_shard": local(F.dropout(ones_s, p=0.5, training=True)),
+        "tp_randn": local(dt.randn((4, 4), device_mesh=mesh["tp"], placements=[S(0)])),
+        "rand_rep2": local(dt.rand((8, 8), device_mesh=mesh, placements=[R(), R()])),
     }
 
 
@@ -266,9 +274,9 @@ def semantics(ctx: Ctx) -> dict[str, Any]:
     user = torch.Generator().manual_seed(77)
     cursor = a.get_offset("dp:2,tp:2[0-3]")
     y = dt.zeros((8, 8), device_mesh=mesh, placements=[S(0), S(1)])
-    out["user_shard"] = y.uniform_(generator=user).to_local().clone()
+    out["user_shard"] = local(y.uniform_(generator=user)).clone()
     z = dt.zeros((8, 8), device_mesh=mesh, placements=[R(), R()])
-    out["user_rep"] = z.uniform_(generator=user).to_local().clone()
+    out["user_rep"] = local(z.uniform_(generator=user)).clone()
     out["user_state"] = user.get_state()
     out["user_cursor_moved"] = a.get_offset("dp:2,tp:2[0-3]") - cursor
     a.close()
@@ -291,15 +299,15 @@ def semantics(ctx: Ctx) -> dict[str, Any]:
     out["a_resumed_epochs"] = {name: m.epoch for name, m in a2.leases.items()}
     a2.close()
 
-    local = RNGStateTracker("cpu")
+    reference = RNGStateTracker("cpu")
     for name, (group_seed, _, _) in out["groups"].items():
-        local.set_seed(name, group_seed)
-    register(local)
+        reference.set_seed(name, group_seed)
+    register(reference)
     try:
         values = _clone(first_half(mesh))
         values.update(_clone(second_half(mesh)))
     finally:
-        unregister(local)
+        unregister(reference)
     out["local"] = values
     return out
 
@@ -340,7 +348,7 @@ def restart(ctx: Ctx) -> dict[str, Any]:
     tracker = install(mesh, ctx.args["addr"], job="restart", seed=5, lease_size=256, retries=8)
 
     def ops(n: int) -> list[Any]:
-        return [dt.rand((16,), device_mesh=mesh, placements=[R()]).to_local() for _ in range(n)]
+        return [local(dt.rand((16,), device_mesh=mesh, placements=[R()])) for _ in range(n)]
 
     values = ops(4)  # [0, 64): lease 0 current, lease 1 prefetched
     (manager,) = tracker.leases.values()
@@ -368,13 +376,13 @@ def restart(ctx: Ctx) -> dict[str, Any]:
     }
     seed = manager.seed
     tracker.close()
-    local = RNGStateTracker("cpu")
-    local.set_seed(out["group"], seed)
-    register(local)
+    reference = RNGStateTracker("cpu")
+    reference.set_seed(manager.group, seed)
+    register(reference)
     try:
         out["local"] = ops(52)
     finally:
-        unregister(local)
+        unregister(reference)
     return out
 
 
@@ -470,9 +478,11 @@ def fake_device(ctx: Ctx) -> dict[str, Any]:
         stride = torch._prims_common.make_contiguous_strides_for(shape)
         meta = TensorMeta(torch.Size(shape), stride, torch.float32)
         spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
-        return DTensor(torch.zeros(local_shape), spec, requires_grad=False)
+        # The public constructors move local tensors to the mesh's device, which has no
+        # kernels; DTensor's own constructor keeps them where they are.
+        return DTensor(torch.zeros(local_shape), spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
-    cases = [
+    cases: list[tuple[str, tuple[int, ...], list[Any], Callable[[Any], object]]] = [
         ("uniform_", (8, 8), [S(0), S(1)], lambda t: t.uniform_()),
         ("normal_", (5, 3), [R(), S(0)], lambda t: t.normal_()),
         ("bernoulli_", (6,), [S(0), R()], lambda t: t.bernoulli_(0.5)),
@@ -499,11 +509,13 @@ def fake_device(ctx: Ctx) -> dict[str, Any]:
 
     # DTensor's CUDA path asks only for the offsets: the tracker sets (seed, base) and
     # run_dtensor_rng_op adds the shard start.
+    router = dtensor_random._rng_tracker
+    assert isinstance(router, dtensor_random.OffsetBasedRNGTracker)
     spec = dtensor((8, 8), [S(0), S(1)])._spec
     before, cursor = len(fake.sets[ctx.rank]), manager.cursor
     out["hop"] = {
         "cursor": cursor,
-        "offsets": dtensor_random._rng_tracker._compute_rng_offsets(spec),
+        "offsets": router._compute_rng_offsets(spec),
         "upstream": upstream._compute_rng_offsets(spec),
         "sets": fake.sets[ctx.rank][before:],
         "cursor_after": manager.cursor,
@@ -541,10 +553,10 @@ def main() -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg
 
-    _install_threaded_pg()
+    _install_threaded_pg()  # type: ignore[no-untyped-call]
     # Per-thread process-group state, as PyTorch's threaded test harness sets it.
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    store = dist.HashStore()
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
+    store = dist.HashStore()  # type: ignore[attr-defined]
     failures: list[str] = []
 
     def worker(rank: int) -> None:

@@ -98,10 +98,11 @@ def test_placement_and_requests_are_deterministic(client: CoordinatorClient, lea
     group = f"g{lease}"
     ranks = managers(client, "leases", group, lease)
     bases: list[list[int]] = [[], []]
-    threads = [
-        threading.Thread(target=lambda r=r: bases[r].extend(run_ops(ranks[r], jitter=r == 1)))
-        for r in range(2)
-    ]
+
+    def rank_main(rank: int) -> None:
+        bases[rank].extend(run_ops(ranks[rank], jitter=rank == 1))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -116,8 +117,12 @@ def test_placement_and_requests_are_deterministic(client: CoordinatorClient, lea
     # Every rank asked for exactly the leases the rule names, with the same fingerprints: the
     # coordinator granted each once, contiguous from 0.
     expected = expected_requests(lease)
+
+    def settled(m: LeaseManager) -> Callable[[], bool]:
+        return lambda: m.stats.received == m.stats.reserves == len(expected)
+
     for manager in ranks:
-        wait_until(lambda m=manager: m.stats.received == m.stats.reserves == len(expected))
+        wait_until(settled(manager))
     grants = client.list_audit(job="leases", group=group, kinds=["grant"])
     details = sorted((json.loads(g.detail) for g in grants), key=lambda d: d["seq"])
     assert [d["seq"] for d in details] == list(expected)
@@ -161,7 +166,7 @@ def test_fenced_epoch_is_reported(client: CoordinatorClient) -> None:
 
 
 def test_unreachable_coordinator_then_back(coordinator: Any) -> None:
-    client = CoordinatorClient(coordinator.address, deadline_s=2.0, retries=2, backoff_s=0.05)
+    client = CoordinatorClient(coordinator.address, deadline_s=2.0, retries=4, backoff_s=0.1)
     (manager,) = managers(client, "down", "g", 64, world=1)
     manager.advance(32, b"a")  # lease 0 current, lease 1 prefetched
     wait_until(lambda: manager.stats.received == 2)

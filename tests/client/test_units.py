@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import doctest
 import socket
+import types
 
 import grpc
 import pytest
@@ -36,7 +37,7 @@ from rngcoord.client.devices import CPUStateWriter, cpu_key
 
 
 @pytest.mark.parametrize("module", [devices, groups])
-def test_docstring_examples(module: object) -> None:
+def test_docstring_examples(module: types.ModuleType) -> None:
     """The worked examples in the docstrings (the CPU mixing function's, group names) hold."""
     result = doctest.testmod(module, raise_on_error=False)
     assert result.attempted > 0 and result.failed == 0
