@@ -58,6 +58,12 @@ def missing_internals() -> list[str]:
         "init_op" in _locals_of(getattr(_api, "_dtensor_init_helper", None)),
         "torch.distributed.tensor._api._dtensor_init_helper (local 'init_op')",
     )
+    from torch.distributed import _functional_collectives
+
+    need(
+        hasattr(_functional_collectives, "_are_we_tracing"),
+        "torch.distributed._functional_collectives._are_we_tracing",
+    )
     need(
         hasattr(_dispatch, "run_dtensor_rng_op"),
         "torch.distributed.tensor._dispatch.run_dtensor_rng_op",

@@ -23,16 +23,18 @@ How a draw reaches the device:
   ``cpu_key(seed, base + shard start)`` (:mod:`rngcoord.client.devices`) for the op, and the
   user's CPU state is restored afterwards.
 
-torch.compile: offsets computed while Dynamo traces are burned into the graph as constants,
-and the compiled graph advances the device generator by itself at run time, as upstream does.
-The tracker therefore leaves traced ops alone (it warns once): compiled random ops draw from
-wherever the device generator stands, outside the leases. Audited, lease-backed streams need
-eager DTensor random ops.
+torch.compile: the tracker runs when DTensor's dispatch runs, which for a compiled graph is at
+trace time only; offsets computed then are burned into the graph as constants, and the
+compiled graph advances the device generator by itself at run time, as upstream's does. The
+tracker therefore leaves traced ops alone (detected as DTensor detects tracing, and warned
+about once): compiled random ops draw from wherever the device generator stands, outside the
+leases. Audited, lease-backed streams need eager DTensor random ops.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import struct
@@ -47,6 +49,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.tensor._random as dtensor_random
+from torch.distributed._functional_collectives import _are_we_tracing
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
@@ -110,10 +113,12 @@ class LocalStream:
         self.digest = digest
 
     def advance(self, size: int, op_key: bytes) -> int:
-        """Account one op of ``size`` offsets; return its base. ``op_key`` is unused here:
-        the fingerprint matters only to a coordinator."""
+        """Account one op of ``size`` offsets, identified by ``op_key``; return its base.
+        The fingerprint chain moves on as a LeaseManager's does, so state dicts of either
+        kind of stream load into the other."""
         base = self.cursor
         self.cursor = base + size
+        self.digest = hashlib.sha256(self.digest + op_key).digest()
         return base
 
 
@@ -353,6 +358,9 @@ class RNGStateTracker:
         if not self._use_distribute_region:
             # DTensor's dispatch checks this flag itself; its factories (rand, randn) do not.
             return contextlib.nullcontext()
+        if _are_we_tracing():
+            _warn_tracing_once()
+            return contextlib.nullcontext()
         plan = self._plans.get(spec) or self._plan(spec)
         stream = plan.stream
         if stream is None:
@@ -376,8 +384,8 @@ class RNGStateTracker:
         plan = self._plans.get(spec) or self._plan(spec)
         if plan.stream is None:
             raise RNGCoordError(f"rank {self.rank} is not part of the mesh of {spec}")
-        if torch.compiler.is_compiling():
-            _warn_compile_once()
+        if _are_we_tracing():
+            _warn_tracing_once()
             return plan.start, plan.end
         stream = plan.stream
         check_philox_offset(stream.cursor + plan.end)
@@ -477,17 +485,18 @@ class _UserPhiloxRegion:
             _GENERATOR_LOCK.release()
 
 
-_compile_warned = False
+_tracing_warned = False
 
 
-def _warn_compile_once() -> None:
-    global _compile_warned
-    if not _compile_warned:
-        _compile_warned = True
+def _warn_tracing_once() -> None:
+    global _tracing_warned
+    if not _tracing_warned:
+        _tracing_warned = True
         logger.warning(
-            "rngcoord: a DTensor random op is being traced by torch.compile; compiled random "
-            "ops advance the device generator themselves and draw outside the coordinator's "
-            "leases. Run DTensor random ops eagerly for lease-backed, audited streams."
+            "rngcoord: a DTensor random op is being traced (torch.compile, make_fx or fake "
+            "tensors); traced random ops draw from the device generator as it stands, outside "
+            "the coordinator's leases. Run DTensor random ops eagerly for lease-backed, "
+            "audited streams."
         )
 
 
