@@ -23,7 +23,7 @@ from http.server import HTTPServer
 from pathlib import Path
 from types import FrameType
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -223,10 +223,7 @@ def serve(
     )
     if ready_file is not None:
         _write_atomically(ready_file, running.address)
-    # Event.wait without a timeout cannot be interrupted by a signal handler on every
-    # platform; a periodic timeout keeps the main thread responsive.
-    while not stopping.wait(1.0):
-        pass
+    stopping.wait()
     event(_log, logging.INFO, "draining", grace_s=grace_s)
     running.stop(grace_s)
     event(_log, logging.INFO, "stopped")
@@ -234,12 +231,16 @@ def serve(
 
 
 def redact_url(url: str) -> str:
-    """`url` with any password replaced by "***", for logs."""
+    """`url` with any password (in the authority or a `password=` query) replaced by "***"."""
     parts = urlsplit(url)
-    if parts.password is None:
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if parts.password is None and all(k != "password" for k, _ in query):
         return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
+    shown = "&".join(f"{k}={'***' if k == 'password' else v}" for k, v in query)
+    return urlunsplit(parts._replace(netloc=netloc, query=shown))
 
 
 def _bind(server: grpc.Server, listen: str, credentials: grpc.ServerCredentials | None) -> int:

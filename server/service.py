@@ -57,7 +57,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         remaining = context.time_remaining()
         if timeout_s is not None and remaining is not None:
             # Waiting past the caller's own deadline would hold a thread for nobody.
-            timeout_s = min(timeout_s, remaining)
+            timeout_s = max(min(timeout_s, remaining), 0.001)
         try:
             r = self._coord.join(
                 request.job,

@@ -235,7 +235,8 @@ class CoordinatorProcess:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
             )
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+        name: str = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+        return name
 
     def close(self) -> None:
         """Close the channels and kill the server if it still runs."""

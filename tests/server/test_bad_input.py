@@ -33,7 +33,7 @@ FAILED = grpc.StatusCode.FAILED_PRECONDITION
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 # Protobuf strings must be valid UTF-8, so surrogates are left out.
-_any_text = st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=140)
+_any_text = st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=140)
 bad_names = st.one_of(
     st.sampled_from(["", "-lead", ".x", "a b", "a\nb", "ж", "x" * 129, "g#1", "a\x00"]),
     _any_text.filter(lambda s: NAME.fullmatch(s) is None),
