@@ -386,6 +386,42 @@ def restart(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+@program
+def shared(ctx: Ctx) -> dict[str, Any]:
+    """shared_stream=True on a 2x2 mesh: one group for the mesh and its sub-meshes. Also the
+    install() errors and the refused seed interface."""
+    import torch.distributed as dist
+    import torch.distributed.tensor as dt
+    from rngcoord.client import InvalidRequest, init_mesh, install
+    from torch.distributed.tensor import Replicate as R
+    from torch.distributed.tensor import Shard as S
+
+    mesh = init_mesh((2, 2), ("dp", "tp"), "cpu")
+    out: dict[str, Any] = {}
+    try:
+        install(mesh, ctx.args["addr"])
+    except InvalidRequest as e:
+        out["no_job"] = str(e)
+    dist.barrier()  # thread-ranks share os.environ
+    os.environ["RNGCOORD_JOB"] = "shared"
+    tracker = install(mesh, ctx.args["addr"], seed=8, lease_size=64, shared_stream=True)
+    out["tp_rand"] = local(dt.rand((4, 4), device_mesh=mesh["tp"], placements=[S(0)]))
+    out["dp_rand"] = local(dt.rand((6,), device_mesh=mesh["dp"], placements=[R()]))
+    out["mesh_rand"] = local(dt.rand((8, 8), device_mesh=mesh, placements=[S(0), S(1)]))
+    out["groups"] = {name: m.cursor for name, m in tracker.leases.items()}
+    out["job"] = tracker.job
+    for name, call in (
+        ("set_seed", lambda: tracker.set_seed("all@dp:2,tp:2[0-3]", 1)),
+        ("set_offset", lambda: tracker.set_offset("tp:2[0.1]", 0)),
+    ):
+        try:
+            call()
+        except InvalidRequest as e:
+            out[name] = str(e)
+    tracker.close()
+    return out
+
+
 class FakeGPU:
     """A cuda-like device module whose generator state is 16 bytes of (seed, offset), like
     CUDA's Philox, and which logs every state set, per thread-rank."""

@@ -151,3 +151,20 @@ def test_threaded_process_group(coordinator: Any, tmp_path: Path) -> None:
     for rank, result in enumerate(results):
         assert result["member_id"] == members[rank]
     check_semantics(results, "t", coordinator.address)
+
+
+def test_shared_stream(coordinator: Any, tmp_path: Path) -> None:
+    """shared_stream=True: every mesh draws from one group over the install mesh's ranks, so
+    the two "tp" sub-meshes draw the same values (like upstream's single generator), and the
+    cursor counts every op."""
+    results = run_threads("shared", 4, tmp_path, addr=coordinator.address)
+    for rank, result in enumerate(results):
+        assert "RNGCOORD_JOB" in result["no_job"]
+        assert result["job"] == "shared"
+        assert result["groups"] == {"all@dp:2,tp:2[0-3]": 16 + 8 + 64}
+        assert "root seed" in result["set_seed"]
+        assert "not joined" in result["set_offset"]
+        tp = rank % 2
+        assert _same(result["tp_rand"], results[tp]["tp_rand"])
+    assert _disjoint(results[0]["tp_rand"], results[1]["tp_rand"])
+    assert all(_same(r["dp_rand"], results[0]["dp_rand"]) for r in results)
