@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TextIO
 
-from rngcoord.server.audit import AuditRecord
+from rngcoord.server.audit import KINDS, AuditRecord
 
 DEFAULT_LISTEN = "0.0.0.0:29520"
 DEFAULT_DB = "sqlite:///rngcoord.db"
@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rngcoord",
         description="Seed and Philox offset authority for distributed PyTorch.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Run `rngcoord COMMAND --help` for the flags of a command.",
+        epilog="Run `rngcoord COMMAND --help` for the flags of a command.\n\n"
+        "exit status: 0 on success, 1 when verify finds a problem, 2 for a usage error or a\n"
+        "command that cannot run (unreadable database, address in use, bad token file)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -148,13 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KIND",
-        help="only this kind (job, group, epoch, grant, divergence, restore, leave); "
-        "repeat for several (default: all)",
+        help=f"only this kind ({', '.join(KINDS)}); repeat for several (default: all)",
     )
-    audit.add_argument("--since", type=_time_us, default=0, metavar="TIME", help="from TIME on")
-    audit.add_argument("--until", type=_time_us, default=0, metavar="TIME", help="up to TIME")
     audit.add_argument(
-        "--limit", type=_non_negative_int, default=0, help="at most N records (default 0: all)"
+        "--since", type=_time_us, default=0, metavar="TIME", help="records at or after TIME"
+    )
+    audit.add_argument(
+        "--until", type=_time_us, default=0, metavar="TIME", help="records before TIME"
+    )
+    audit.add_argument(
+        "--limit",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="at most N records (default 0: all)",
     )
     audit.add_argument("--json", action="store_true", help="one JSON object per line")
     audit.set_defaults(run=_audit)
@@ -176,9 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
         "on CPU, then show that the ranks agree.",
     )
     demo.add_argument(
-        "--workers", type=_positive_int, default=4, help="training processes (default 4)"
+        "--workers",
+        type=_positive_int,
+        default=4,
+        metavar="N",
+        help="training processes (default 4)",
     )
-    demo.add_argument("--steps", type=_positive_int, default=6, help="training steps (default 6)")
+    demo.add_argument(
+        "--steps", type=_positive_int, default=6, metavar="N", help="training steps (default 6)"
+    )
     demo.add_argument(
         "--keep-dir",
         action="store_true",

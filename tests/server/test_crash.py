@@ -75,12 +75,21 @@ def storm_client(
         group, member = f"g{index}-{thread}", f"p{index}t{thread}-a"
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
-            epoch = stub.JoinGroup(
-                pb.JoinGroupRequest(
-                    job=JOB, group=group, rank=0, world_size=1, member_id=member, timeout_ms=30_000
-                ),
-                timeout=60,
-            ).epoch
+            try:
+                epoch = stub.JoinGroup(
+                    pb.JoinGroupRequest(
+                        job=JOB,
+                        group=group,
+                        rank=0,
+                        world_size=1,
+                        member_id=member,
+                        timeout_ms=30_000,
+                    ),
+                    timeout=60,
+                ).epoch
+            except grpc.RpcError:
+                return  # killed before this thread got going: it holds no lease
+
             seq = 0
             while True:
                 try:
