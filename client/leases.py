@@ -150,13 +150,14 @@ class LeaseManager:
 
         ``op_key`` identifies the op (its name and global shape) for the fingerprint. In
         steady state this touches no lock and sends no RPC; it blocks only when the op needs
-        a lease that has not arrived yet. If it raises, the manager's state is unchanged.
+        a lease that has not arrived yet. If it raises, the cursor and the fingerprint chain
+        are unchanged (the requests it made stand, so the same op can be run again).
         """
         base = self._cursor
         stop = base + size
         digest = hashlib.sha256(self._digest + op_key).digest()
         if stop > self._limit:
-            self._extend(base, stop, digest)
+            self._extend(stop, digest)
         self._cursor = stop
         self._digest = digest
         self._recent.append(op_key)
@@ -168,8 +169,8 @@ class LeaseManager:
     def _lease_start(self, seq: int) -> int:
         return self._anchor_cursor + (seq - self._anchor_seq) * self.lease_size
 
-    def _extend(self, base: int, stop: int, digest: bytes) -> None:
-        """The slow path: request and wait for the leases an op at [base, stop) needs."""
+    def _extend(self, stop: int, digest: bytes) -> None:
+        """The slow path: request, and wait for, the leases an op ending at ``stop`` needs."""
         if self._fatal is not None:
             raise self._fatal
         last = self._seq_of(stop - 1)
