@@ -317,13 +317,14 @@ class _PostgresDatabases:
     def __init__(self) -> None:
         self.explicit = POSTGRES_ENV in os.environ
         self.admin_url = os.environ.get(POSTGRES_ENV) or DEFAULT_POSTGRES
-        self._problem: str | None = None
         self._checked = False
+        self._skip: str | None = None
+        self._error: str | None = None
 
     def unavailable(self) -> str | None:
         """Why no database can be made (a skip reason), or None when the server answers.
 
-        Raises when RNGCOORD_TEST_POSTGRES names a server that does not answer.
+        Raises RuntimeError when RNGCOORD_TEST_POSTGRES names a server that does not answer.
         """
         if _postgres_backend_missing():
             return "postgres backend not available (rngcoord.server.postgres does not exist yet)"
@@ -334,15 +335,14 @@ class _PostgresDatabases:
             try:
                 psycopg.connect(self.admin_url, connect_timeout=3).close()
             except psycopg.Error as exc:
+                problem = f"no PostgreSQL at {self.admin_url}: {str(exc).strip()[:200]}"
                 if self.explicit:
-                    raise RuntimeError(
-                        f"{POSTGRES_ENV}={self.admin_url} is not reachable: {exc}"
-                    ) from exc
-                self._problem = (
-                    f"no PostgreSQL at {self.admin_url} ({str(exc).strip()[:120]}); "
-                    f"start one or set {POSTGRES_ENV}"
-                )
-        return self._problem
+                    self._error = f"{problem} (it is named by {POSTGRES_ENV})"
+                else:
+                    self._skip = f"{problem}; start one or set {POSTGRES_ENV}"
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        return self._skip
 
     def create(self) -> str:
         """Create an empty database and return its URL."""
