@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from rngcoord.server.auth import TokenAuthInterceptor, load_tokens
 from rngcoord.server.coordinator import Coordinator
 from rngcoord.server.logs import configure, event, get_logger
-from rngcoord.server.metrics import Metrics, split_host_port
+from rngcoord.server.metrics import Metrics
 from rngcoord.server.service import CoordinatorServicer
 from rngcoord.server.store import Store, open_store
 from rngcoord.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -156,7 +156,9 @@ def start_server(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
         port = _bind(server, listen, credentials)
-        metrics_http = metrics.serve_http(metrics_listen) if metrics_listen else None
+        metrics_http = None
+        if metrics_listen is not None:
+            metrics_http = metrics.serve_http(*split_host_port(metrics_listen))
     except BaseException:
         store.close()
         raise
@@ -254,6 +256,19 @@ def _bind(server: grpc.Server, listen: str, credentials: grpc.ServerCredentials 
     if port == 0:
         raise OSError(f"cannot listen on {listen}: the address is in use or not local")
     return port
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """Split "HOST:PORT" (IPv6 hosts in brackets) into (host, port).
+
+    Raises ValueError naming the address when it is malformed.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"address {address!r} is not HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
 
 
 def _join_host_port(host: str, port: int) -> str:

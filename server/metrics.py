@@ -96,25 +96,11 @@ class Metrics:
         """Count one RPC that ended with status `code`."""
         self._errors_by_code[code].inc()
 
-    def serve_http(self, address: str) -> HTTPServer:
-        """Start the /metrics HTTP endpoint on `address` ("HOST:PORT"; port 0 picks one).
+    def serve_http(self, host: str, port: int) -> HTTPServer:
+        """Start the /metrics HTTP endpoint on host:port (port 0 picks one) in a thread.
 
         Returns the HTTP server; its `server_address` holds the bound port and `shutdown()`
         stops it.
         """
-        host, port = split_host_port(address)
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server
-
-
-def split_host_port(address: str) -> tuple[str, int]:
-    """Split "HOST:PORT" (IPv6 hosts in brackets) into (host, port).
-
-    Raises ValueError naming the address when it is malformed.
-    """
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"address {address!r} is not HOST:PORT")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
