@@ -1,0 +1,365 @@
+"""The PostgreSQL store on a real server: migrations, replicas, retries and reconnection.
+
+Two `PostgresStore`s on one database stand for two coordinator replicas. Each test gets a
+fresh database from the `postgres_url_factory` fixture (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from importlib import resources
+from typing import Any
+from urllib.parse import urlsplit
+
+import psycopg
+import pytest
+from conftest import DEFAULT_POSTGRES, POSTGRES_ENV
+from rngcoord.server.coordinator import Coordinator, ReserveResult
+from rngcoord.server.errors import StaleEpoch, Unavailable
+from rngcoord.server.postgres import PostgresStore, convert_placeholders
+from rngcoord.server.store import Tx
+from rngcoord.server.verify import verify
+
+ADMIN_URL = os.environ.get(POSTGRES_ENV) or DEFAULT_POSTGRES
+JOB = "job"
+FINGERPRINT = b"\x01" * 16
+
+
+@pytest.fixture
+def db_url(postgres_url_factory: Callable[[], str]) -> str:
+    """A fresh, empty database."""
+    return postgres_url_factory()
+
+
+@pytest.fixture
+def open_stores(db_url: str) -> Iterator[Callable[..., PostgresStore]]:
+    """`open_stores(**kwargs)` opens a `PostgresStore` on `db_url`; all close at the end."""
+    opened: list[PostgresStore] = []
+
+    def open_one(**kwargs: Any) -> PostgresStore:
+        store = PostgresStore(db_url, **kwargs)
+        opened.append(store)
+        return store
+
+    yield open_one
+    for store in opened:
+        store.close()
+
+
+def _admin(url: str) -> psycopg.Connection[Any]:
+    return psycopg.connect(url, autocommit=True)
+
+
+def _size(seq: int) -> int:
+    """Lease sizes vary with seq, so a misplaced start shows up as an overlap."""
+    return 4 * (1 + seq % 7)
+
+
+@pytest.mark.parametrize(
+    ("portable", "psycopg_form"),
+    [
+        ("SELECT a FROM t WHERE b = ? AND c = ?", "SELECT a FROM t WHERE b = %s AND c = %s"),
+        ("SELECT '?', \"?\" FROM t WHERE x = ?", "SELECT '?', \"?\" FROM t WHERE x = %s"),
+        (
+            "SELECT 'it''s ?' WHERE x LIKE 'a%' AND y = ?",
+            "SELECT 'it''s ?' WHERE x LIKE 'a%%' AND y = %s",
+        ),
+        ("SELECT 5 % ? -- why?\n, ?", "SELECT 5 %% %s -- why?\n, %s"),
+        ("SELECT /* ? */ ?", "SELECT /* ? */ %s"),
+    ],
+)
+def test_placeholders_are_rewritten_outside_literals_only(portable: str, psycopg_form: str) -> None:
+    assert convert_placeholders(portable) == psycopg_form
+
+
+def test_rewritten_sql_runs_with_literal_percent_and_question_marks(
+    open_stores: Callable[..., PostgresStore],
+) -> None:
+    store = open_stores()
+    row = store.read(lambda tx: tx.fetchone("SELECT '100%?', ? || '%', 7 % ?", ("a", 4)))
+    assert row == ("100%?", "a%", 3)
+
+
+def test_concurrent_opens_migrate_once(db_url: str) -> None:
+    # Four replicas start at the same moment on an empty database.
+    barrier = threading.Barrier(4)
+
+    def open_one(_: int) -> PostgresStore:
+        barrier.wait()
+        return PostgresStore(db_url, max_readers=2)
+
+    with ThreadPoolExecutor(4) as pool:
+        stores = list(pool.map(open_one, range(4)))
+    for store in stores:
+        store.close()
+    # And once more, on the migrated database.
+    PostgresStore(db_url).close()
+
+    folder = resources.files("rngcoord.server") / "migrations" / "postgres"
+    names = sorted(entry.name.removesuffix(".sql") for entry in folder.iterdir())
+    expected = [(int(name.partition("_")[0]), name) for name in names if name[:3].isdigit()]
+    assert expected[0] == (1, "001_initial")
+    with _admin(db_url) as conn:
+        versions = conn.execute("SELECT version, name FROM schema_version ORDER BY version")
+        assert versions.fetchall() == expected
+        head = conn.execute("SELECT id, last_id FROM audit_head").fetchall()
+        assert head == [(1, 0)]
+
+
+def test_two_replicas_serve_one_group_without_overlap(
+    open_stores: Callable[..., PostgresStore],
+) -> None:
+    replicas = [Coordinator(open_stores(), join_timeout_s=30), Coordinator(open_stores())]
+    groups = ["g0", "g1", "g2"]
+    seqs = 25
+
+    # Rank r of every group joins through replica r; the barrier spans both replicas.
+    def join(group: str, rank: int) -> tuple[int, tuple[str, ...]]:
+        result = replicas[rank].join(JOB, group, rank, 2, f"m{rank}", 42, 30.0, f"rank {rank}")
+        return result.epoch, result.members
+
+    with ThreadPoolExecutor(2 * len(groups)) as pool:
+        joined = list(pool.map(join, [g for g in groups for _ in (0, 1)], [0, 1] * len(groups)))
+    assert joined == [(1, ("m0", "m1"))] * (2 * len(groups))
+
+    # Both ranks of every group ask for every lease, each through its own replica, at once.
+    def ask_all(group: str, rank: int) -> list[ReserveResult]:
+        return [
+            replicas[rank].reserve(
+                JOB, group, 1, seq, _size(seq), FINGERPRINT, rank, f"m{rank}", f"rank {rank}"
+            )
+            for seq in range(seqs)
+        ]
+
+    with ThreadPoolExecutor(2 * len(groups)) as pool:
+        futures = {(g, r): pool.submit(ask_all, g, r) for g in groups for r in (0, 1)}
+        leases = {key: future.result() for key, future in futures.items()}
+
+    for group in groups:
+        rank0, rank1 = leases[group, 0], leases[group, 1]
+        # Agreement: both ranks got the same ranges, whichever replica granted them.
+        assert [(x.start, x.end) for x in rank0] == [(x.start, x.end) for x in rank1]
+        # Contiguity (hence no overlap): lease k starts where k-1 ended.
+        expected_start = 0
+        for seq, lease in enumerate(rank0):
+            assert (lease.seq, lease.start, lease.end) == (
+                seq,
+                expected_start,
+                expected_start + _size(seq),
+            )
+            expected_start = lease.end
+        # Exactly one of the two requests of each seq granted it; the other read it back.
+        assert all(a.existing != b.existing for a, b in zip(rank0, rank1, strict=True))
+    report = verify(open_stores())
+    assert report.ok, report.problems
+    assert report.grants == len(groups) * seqs
+
+
+def test_fencing_holds_across_replicas(open_stores: Callable[..., PostgresStore]) -> None:
+    # An old member keeps reserving through replica A while a replacement forms a new epoch
+    # through replica B. Once fenced, A must refuse; the new epoch must start above every
+    # lease the old one got.
+    a, b = Coordinator(open_stores()), Coordinator(open_stores())
+    a.join(JOB, "g", 0, 1, "old", 42, 10.0, "old")
+    granted: list[ReserveResult] = []
+    fenced = threading.Event()
+    refusal: list[StaleEpoch] = []
+
+    def old_member() -> None:
+        seq = 0
+        while True:
+            try:
+                granted.append(a.reserve(JOB, "g", 1, seq, 64, FINGERPRINT, 0, "old", "old"))
+            except StaleEpoch as exc:
+                refusal.append(exc)
+                return
+            seq += 1
+            if seq == 5:
+                fenced.set()
+
+    worker = threading.Thread(target=old_member)
+    worker.start()
+    assert fenced.wait(30)
+    new = b.join(JOB, "g", 0, 1, "new", 42, 10.0, "new")
+    worker.join(30)
+    assert not worker.is_alive()
+
+    assert new.epoch == 2
+    assert refusal and "the current epoch is 2" in refusal[0].message
+    assert new.start == max(lease.end for lease in granted)
+    first = b.reserve(JOB, "g", 2, 0, 64, FINGERPRINT, 0, "new", "new")
+    assert first.start == new.start
+    report = verify(open_stores())
+    assert report.ok, report.problems
+
+
+def test_idempotent_hits_are_readable_from_either_replica(
+    open_stores: Callable[..., PostgresStore],
+) -> None:
+    a, b = Coordinator(open_stores()), Coordinator(open_stores())
+    a.join(JOB, "g", 0, 1, "m0", 42, 10.0, "m0")
+    grants = [a.reserve(JOB, "g", 1, seq, 128, FINGERPRINT, 0, "m0", "m0") for seq in range(3)]
+    for replica in (a, b):
+        hits = [replica.reserve(JOB, "g", 1, s, 128, FINGERPRINT, 0, "m0", "m0") for s in range(3)]
+        assert [(h.start, h.end, h.seed) for h in hits] == [
+            (g.start, g.end, g.seed) for g in grants
+        ]
+        assert all(h.existing for h in hits)
+    assert a.get_group(JOB, "g") == b.get_group(JOB, "g")
+    # The hits wrote nothing: one job, one group, one epoch and three grants.
+    assert [r.kind for r in b.list_audit(job=JOB)] == ["job", "group", "epoch"] + ["grant"] * 3
+
+
+def _wait_until_blocked_on_a_lock(conn: psycopg.Connection[Any], timeout_s: float = 30) -> None:
+    """Wait until some session of this database waits for a lock."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        ).fetchone()
+        if row is not None and row[0] > 0:
+            return
+        assert time.monotonic() < deadline, "the store's write never waited for the lock"
+        time.sleep(0.01)
+
+
+@contextmanager
+def _conflicting_head_update(db_url: str) -> Iterator[Callable[[], None]]:
+    """Hold a concurrent update of audit_head; `release()` commits it once a writer waits.
+
+    A SERIALIZABLE writer that took its snapshot before the commit must then fail with a
+    serialization failure (40001) when it gets the row lock.
+    """
+    with _admin(db_url) as conn:
+        conn.execute("BEGIN")
+        conn.execute("UPDATE audit_head SET last_id = last_id WHERE id = 1")
+
+        def release() -> None:
+            with _admin(db_url) as observer:
+                _wait_until_blocked_on_a_lock(observer)
+            conn.execute("COMMIT")
+
+        yield release
+
+
+def _write_behind_a_conflict(db_url: str, store: PostgresStore, fn: Callable[[Tx], Any]) -> Any:
+    # The conflict is the inner context: should anything fail, its lock goes first, so the
+    # pool's shutdown never waits on a write that waits on the lock.
+    with ThreadPoolExecutor(1) as pool, _conflicting_head_update(db_url) as release:
+        outcome = pool.submit(store.write, fn)
+        release()
+        return outcome.result(timeout=60)
+
+
+def _add_job(name: str) -> Callable[[Tx], str]:
+    def op(tx: Tx) -> str:
+        tx.execute("INSERT INTO jobs (job, seed, created_us) VALUES (?, 0, 0)", (name,))
+        return name
+
+    return op
+
+
+def test_serialization_failure_is_retried(
+    db_url: str, open_stores: Callable[..., PostgresStore]
+) -> None:
+    # One attempt only: the conflict is real, and the caller gets a clear UNAVAILABLE.
+    single = open_stores(isolation="serializable", max_attempts=1)
+    with pytest.raises(Unavailable, match=r"failed 1 times.*could not serialize"):
+        _write_behind_a_conflict(db_url, single, _add_job("lost"))
+    # Two attempts: the same conflict is retried, and the second attempt commits.
+    retrying = open_stores(isolation="serializable", max_attempts=2)
+    assert _write_behind_a_conflict(db_url, retrying, _add_job("kept")) == "kept"
+    jobs = retrying.read(lambda tx: tx.fetchall("SELECT job FROM jobs ORDER BY job"))
+    assert jobs == [("kept",)]
+
+
+def test_serializable_replicas_grant_correctly_under_contention(
+    open_stores: Callable[..., PostgresStore],
+) -> None:
+    # Two SERIALIZABLE replicas (as on CockroachDB) conflict on every concurrent batch; the
+    # retries must hide that from callers.
+    replicas = [Coordinator(open_stores(isolation="serializable", max_attempts=8)) for _ in (0, 1)]
+
+    def run(index: int) -> list[ReserveResult]:
+        replica, group = replicas[index % 2], f"g{index}"
+        replica.join(JOB, group, 0, 1, "m0", 42, 10.0, "m0")
+        return [
+            replica.reserve(JOB, group, 1, seq, _size(seq), FINGERPRINT, 0, "m0", "m0")
+            for seq in range(10)
+        ]
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(run, range(4)))
+    for leases in results:
+        assert [lease.start for lease in leases[1:]] == [lease.end for lease in leases[:-1]]
+    report = verify(open_stores())
+    assert report.ok, report.problems
+    assert report.grants == 40
+
+
+def _terminate(db_url: str, application_name: str) -> int:
+    """End the sessions of one kind on the database; return how many there were."""
+    with _admin(ADMIN_URL) as conn:
+        rows = conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = %s AND application_name = %s",
+            (_database(db_url), application_name),
+        ).fetchall()
+    return len(rows)
+
+
+def _database(url: str) -> str:
+    return urlsplit(url).path.lstrip("/")
+
+
+def test_dropped_connections_are_replaced(
+    db_url: str, open_stores: Callable[..., PostgresStore]
+) -> None:
+    store = open_stores(min_readers=2)
+    assert store.write(_add_job("before")) == "before"
+    assert store.read(lambda tx: tx.fetchone("SELECT count(*) FROM jobs")) == (1,)
+
+    assert _terminate(db_url, "rngcoord-writer") == 1
+    assert _terminate(db_url, "rngcoord-reader") >= 1
+    assert store.write(_add_job("after")) == "after"
+    assert store.read(lambda tx: tx.fetchall("SELECT job FROM jobs ORDER BY job")) == [
+        ("after",),
+        ("before",),
+    ]
+
+
+def test_unreachable_database_gives_unavailable_then_recovers(
+    db_url: str, open_stores: Callable[..., PostgresStore]
+) -> None:
+    store = open_stores(max_attempts=3, backoff_s=0.01)
+    name = _database(db_url)
+    with _admin(ADMIN_URL) as admin:
+        admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+        try:
+            assert _terminate(db_url, "rngcoord-writer") == 1
+            with pytest.raises(Unavailable, match="store begin failed 3 times"):
+                store.write(_add_job("refused"))
+        finally:
+            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+    assert store.write(_add_job("accepted")) == "accepted"
+    assert store.read(lambda tx: tx.fetchall("SELECT job FROM jobs")) == [("accepted",)]
+
+
+def test_opening_an_unreachable_database_names_it_without_the_password(db_url: str) -> None:
+    parts = urlsplit(db_url)
+    netloc = f"{parts.username or 'postgres'}:s3cret@{parts.hostname}:{parts.port or 5432}"
+    missing = parts._replace(netloc=netloc, path="/no_such_db").geturl()
+    with pytest.raises(ConnectionError, match="no_such_db") as info:
+        PostgresStore(missing, connect_timeout_s=3)
+    assert "s3cret" not in str(info.value)
+
+
+def test_unknown_isolation_is_refused(db_url: str) -> None:
+    with pytest.raises(ValueError, match="isolation must be one of"):
+        PostgresStore(db_url, isolation="snapshot")
