@@ -1,0 +1,91 @@
+"""A client process for test_replicas.py: members of groups that reserve leases in a loop.
+
+    python tests/server/replica_client.py --targets A,B --job J --member GROUP:RANK ...
+        --world-size 2 --stop PATH
+
+Each `--member` runs in its own thread with its own `CoordinatorClient` (the targets in the
+order given, so the first one is its replica until that fails). It joins the group, then asks
+for lease seq 0, 1, 2, ... until the file `--stop` exists. Every reply is printed at once as
+one JSON object per line: {"group", "rank", "member_id", "epoch", "seq", "seed", "start",
+"end", "existing"}. Exit 0 when every member stopped cleanly, 1 (with the error on stderr)
+when any call failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+from rngcoord.client import CoordinatorClient
+
+FINGERPRINT = b"\x01" * 16
+
+
+def lease_size(seq: int) -> int:
+    """Lease sizes vary with seq, so a misplaced start shows up as an overlap."""
+    return 4096 * (1 + seq % 7)
+
+
+def run_member(
+    targets: list[str], job: str, group: str, rank: int, world_size: int, stop: Path
+) -> None:
+    """Join `group` as `rank`, then reserve leases until `stop` exists, printing each."""
+    member_id = f"m{rank}-{uuid.uuid4().hex[:8]}"
+    with CoordinatorClient(targets, deadline_s=5.0, retries=8, backoff_s=0.05) as client:
+        epoch = client.join_group(job, group, rank, world_size, member_id, timeout_s=60).epoch
+        seq = 0
+        while not stop.exists():
+            lease = client.reserve(
+                job, group, epoch, seq, lease_size(seq), FINGERPRINT, rank, member_id
+            )
+            record = {
+                "group": group,
+                "rank": rank,
+                "member_id": member_id,
+                "epoch": epoch,
+                "seq": seq,
+                "seed": lease.seed,
+                "start": lease.start,
+                "end": lease.end,
+                "existing": lease.existing,
+            }
+            # One write per line, flushed: a reader sees whole lines even while we run.
+            sys.stdout.write(json.dumps(record) + "\n")
+            sys.stdout.flush()
+            seq += 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", required=True, help="comma-separated HOST:PORT list")
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--member", action="append", required=True, help="GROUP:RANK")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--stop", type=Path, required=True, help="stop once this file exists")
+    args = parser.parse_args()
+
+    targets = args.targets.split(",")
+    failures: list[BaseException] = []
+
+    def member(spec: str) -> None:
+        group, _, rank = spec.rpartition(":")
+        try:
+            run_member(targets, args.job, group, int(rank), args.world_size, args.stop)
+        except BaseException as exc:
+            failures.append(exc)
+            print(f"member {spec} failed: {exc!r}", file=sys.stderr, flush=True)
+
+    threads = [threading.Thread(target=member, args=(spec,)) for spec in args.member]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
