@@ -294,7 +294,8 @@ def _require_existing(db_url: str) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    # The demo imports torch; nothing else in the server may, so it loads only when asked for.
+    # The demo launches torchrun jobs and orchestrates a whole scenario; loading it only when
+    # asked for keeps `serve` lean. It never imports torch itself: the workers do.
     demo = importlib.import_module("rngcoord.server.demo")
     status: int = demo.main(args)
     return status

@@ -20,9 +20,7 @@ def test_stubs_regenerate_byte_identical(tmp_path: Path) -> None:
     generated = _load_generator().generate(tmp_path)
     assert generated, "protoc produced no stubs"
     committed_dir = ROOT / "proto" / "rngcoord" / "v1"
-    stale = [
-        p.name for p in generated if (committed_dir / p.name).read_bytes() != p.read_bytes()
-    ]
+    stale = [p.name for p in generated if (committed_dir / p.name).read_bytes() != p.read_bytes()]
     assert not stale, f"stale stubs {stale}: run `make proto` and commit the result"
     committed = {p.name for p in committed_dir.glob("*_pb2*.py*")}
     assert committed == {p.name for p in generated}, "stub files differ from what protoc makes"
