@@ -11,8 +11,10 @@ Responsibilities:
   get UNAVAILABLE. A broken writer connection is replaced before the next attempt. A
   connection lost during COMMIT is different: the outcome is unknown, so the batch fails with
   UNAVAILABLE and is not re-run (clients retry, and leases are idempotent).
-- Reads: a `psycopg_pool.ConnectionPool` of read-only REPEATABLE READ connections, so one read
-  sees one snapshot. Lost connections are retried the same bounded way.
+- Reads: a `psycopg_pool.ConnectionPool` of read-only sessions. `read` runs in one REPEATABLE
+  READ transaction, so it sees one snapshot; `read_row` (a single query, the idempotent-hit
+  path) runs as a lone statement, one round trip. Lost connections are retried the same
+  bounded way.
 - Schema: server/migrations/postgres/NNN_*.sql, applied at open under a transaction-scoped
   advisory lock, so replicas that start together migrate once.
 - SQL: the coordinator's portable SQL uses `?` placeholders; `convert_placeholders` turns them
@@ -25,16 +27,17 @@ SQL engines provide too.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
+from urllib.parse import urlsplit
 
 import psycopg
 import psycopg.conninfo
-from psycopg import IsolationLevel
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool, PoolTimeout
 from rngcoord.server.errors import Unavailable
@@ -52,11 +55,18 @@ MIGRATION_LOCK_KEY: Final = 0x726E67636F6F7264
 """The advisory-lock key ("rngcoord" in ASCII) that orders concurrent migrations."""
 
 _LOCK_HEAD = "SELECT last_id FROM audit_head WHERE id = 1 FOR UPDATE"
+_BEGIN_READ = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
 
-# SQLSTATEs after which a transaction may simply run again: serialization_failure,
-# deadlock_detected, and the server-side ways a session is ended (admin_shutdown,
-# crash_shutdown, cannot_connect_now). Connection exceptions (class 08) are matched by prefix.
-_RETRY_SQLSTATES: Final = frozenset({"40001", "40P01", "57P01", "57P02", "57P03"})
+# SQLSTATEs after which a transaction certainly did not commit and may simply run again:
+# serialization_failure, deadlock_detected, and the ways the server ends a session
+# (idle_in_transaction_session_timeout, admin_shutdown, crash_shutdown, cannot_connect_now).
+# Connection exceptions (class 08) are matched by prefix.
+_RETRY_SQLSTATES: Final = frozenset({"40001", "40P01", "25P03", "57P01", "57P02", "57P03"})
+
+_WRITER_IDLE_TIMEOUT: Final = "30s"
+"""How long the server lets the writer's session sit idle inside a transaction: a replica
+frozen while it holds the audit_head lock (stopped, swapped out) would stall every replica;
+the server ends its session instead, rolling its batch back, and the others carry on."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -133,12 +143,25 @@ def _is_retryable(exc: BaseException) -> bool:
     return state in _RETRY_SQLSTATES or state.startswith("08")
 
 
-def _redact(url: str) -> str:
-    """The URL's user, host, port and database, without the password, for messages."""
+def _parse(url: str) -> dict[str, Any]:
+    """The connection parameters of a libpq URL.
+
+    Raises:
+        ValueError: the URL does not parse; the message never holds its password.
+    """
     try:
-        params = psycopg.conninfo.conninfo_to_dict(url)
-    except psycopg.ProgrammingError:
-        return "postgresql://<unparsable URL>"
+        return psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.ProgrammingError as exc:
+        message = str(exc).strip()
+        password = urlsplit(url).password
+        if password:
+            message = message.replace(password, "***")
+        # `from None`: the original exception's message may quote the password.
+        raise ValueError(f"cannot parse the PostgreSQL URL: {message}") from None
+
+
+def _describe(params: dict[str, Any]) -> str:
+    """A URL naming the user, host, port and database, without the password, for messages."""
     user = f"{params['user']}@" if params.get("user") else ""
     port = f":{params['port']}" if params.get("port") else ""
     return f"postgresql://{user}{params.get('host', '')}{port}/{params.get('dbname', '')}"
@@ -148,7 +171,10 @@ class PostgresStore:
     """A `Store` on a PostgreSQL database, safe to share between coordinator replicas.
 
     The schema is created or upgraded on open. Durability comes from the server: the writer
-    session sets `synchronous_commit = on`, so a commit returns after its WAL is flushed.
+    session sets `synchronous_commit = on`, so a commit returns after its WAL is flushed. The
+    writer session also sets `idle_in_transaction_session_timeout`, so that a replica frozen
+    while it holds the `audit_head` lock loses its session (and its uncommitted batch) after
+    30 s rather than stall every other replica.
 
     Args:
         url: a libpq connection URL, `postgresql://USER[:PASSWORD]@HOST[:PORT]/DB[?...]`.
@@ -168,7 +194,7 @@ class PostgresStore:
 
     Raises:
         ConnectionError: the database cannot be reached when the store opens.
-        ValueError: `isolation` is not one of `ISOLATION_LEVELS`.
+        ValueError: `url` does not parse, or `isolation` is not one of `ISOLATION_LEVELS`.
     """
 
     dialect = "postgresql"
@@ -189,7 +215,8 @@ class PostgresStore:
             raise ValueError(
                 f"isolation must be one of {', '.join(ISOLATION_LEVELS)} or None; got {isolation!r}"
             )
-        self.url = _redact(url)
+        self._url_params = _parse(url)
+        self.url = _describe(self._url_params)
         self._conninfo = url
         self._begin_sql = "BEGIN" if isolation is None else f"BEGIN ISOLATION LEVEL {isolation}"
         self._max_attempts = max_attempts
@@ -197,9 +224,6 @@ class PostgresStore:
         self._connect_timeout_s = connect_timeout_s
         self._closed = False
         self._close_lock = threading.Lock()
-        # application_name tells an operator (and pg_stat_activity) which session is which,
-        # unless the URL names one already.
-        self._name_sessions = "application_name" not in psycopg.conninfo.conninfo_to_dict(url)
 
         self._conn: psycopg.Connection[Any] | None = None
         try:
@@ -207,6 +231,9 @@ class PostgresStore:
         except psycopg.Error as exc:
             self._close_writer_connection()
             raise ConnectionError(f"cannot open the store at {self.url}: {exc}") from exc
+        except BaseException:
+            self._close_writer_connection()
+            raise
         self._pool = ConnectionPool(
             url,
             min_size=min_readers,
@@ -239,10 +266,13 @@ class PostgresStore:
     # ------------------------------------------------------------------------ connections
 
     def _connect_kwargs(self, name: str) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"connect_timeout": max(1, round(self._connect_timeout_s))}
-        if self._name_sessions:
-            kwargs["application_name"] = name
-        return kwargs
+        """Connection defaults for what the URL leaves unset. application_name tells an
+        operator (and pg_stat_activity) which session is which."""
+        defaults = {
+            "connect_timeout": max(1, round(self._connect_timeout_s)),
+            "application_name": name,
+        }
+        return {k: v for k, v in defaults.items() if k not in self._url_params}
 
     def _writer_connection(self) -> psycopg.Connection[Any]:
         """The writer's connection, replaced by a new one when the old one broke."""
@@ -256,6 +286,7 @@ class PostgresStore:
             # A grant must be on stable storage before the reply leaves (invariant 3), whatever
             # the server's default says.
             conn.execute("SET synchronous_commit TO on")
+            conn.execute(f"SET idle_in_transaction_session_timeout TO '{_WRITER_IDLE_TIMEOUT}'")
             self._conn = conn
         return conn
 
@@ -330,19 +361,56 @@ class PostgresStore:
     # -------------------------------------------------------------------------- reads
 
     def read(self, fn: Callable[[Tx], T]) -> T:
-        """Run `fn` in a read-only snapshot on a pooled connection.
+        """Run `fn` in a read-only REPEATABLE READ transaction (one snapshot) on a pooled
+        connection.
 
         Raises:
             Unavailable: the store is closed, no connection came free within
                 `connect_timeout_s`, or the database stayed unreachable over every attempt.
         """
+
+        def run(conn: psycopg.Connection[Any]) -> T:
+            conn.execute(_BEGIN_READ)
+            try:
+                result = fn(PostgresTx(conn))
+            except BaseException:
+                # A broken connection cannot roll back; the pool discards it either way.
+                with contextlib.suppress(psycopg.Error):
+                    conn.execute("ROLLBACK")
+                raise
+            conn.execute("ROLLBACK")
+            return result
+
+        return self._with_reader(run)
+
+    def read_row(self, sql: str, params: Sequence[object] = ()) -> tuple[Any, ...] | None:
+        """Run one query, which must not write, and return its first row or None.
+
+        A lone statement reads one snapshot by itself, so it runs without a transaction of
+        its own: one round trip where `read` takes three. The reader sessions default to
+        read-only transactions, so the statement cannot write either.
+
+        Raises:
+            Unavailable: as for `read`.
+        """
+        query = convert_placeholders(sql)
+        values = tuple(params)
+
+        def run(conn: psycopg.Connection[Any]) -> tuple[Any, ...] | None:
+            row: tuple[Any, ...] | None = conn.execute(query, values).fetchone()
+            return row
+
+        return self._with_reader(run)
+
+    def _with_reader(self, run: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """`run(conn)` on a pooled reader connection, retried on a lost connection."""
         attempt = 1
         while True:
             if self._closed:
                 raise Unavailable("store is closed")
             try:
                 with self._pool.connection() as conn:
-                    return fn(PostgresTx(conn))
+                    return run(conn)
             except PoolTimeout as exc:
                 raise Unavailable(
                     f"no database connection to {self.url} came free within "
@@ -375,7 +443,8 @@ class PostgresStore:
 
 
 def _configure_reader(conn: psycopg.Connection[Any]) -> None:
-    # Each read is one REPEATABLE READ, READ ONLY transaction: a single snapshot that can
-    # never write. The pool commits (ends) it when the connection is returned.
-    conn.isolation_level = IsolationLevel.REPEATABLE_READ
-    conn.read_only = True
+    # Reader sessions run in autocommit mode, so that `read_row` costs one round trip, and
+    # default to read-only transactions, so that no statement on them can ever write; `read`
+    # opens its own REPEATABLE READ transaction for a multi-statement snapshot.
+    conn.autocommit = True
+    conn.execute("SET default_transaction_read_only TO on")

@@ -85,6 +85,20 @@ def test_rewritten_sql_runs_with_literal_percent_and_question_marks(
     assert row == ("100%?", "a%", 3)
 
 
+def test_reads_see_writes_and_never_write(open_stores: Callable[..., PostgresStore]) -> None:
+    store = open_stores()
+    assert store.write(_add_job("j1")) == "j1"
+    assert store.read_row("SELECT job FROM jobs WHERE job = ?", ("j1",)) == ("j1",)
+    assert store.read_row("SELECT job FROM jobs WHERE job = ?", ("j2",)) is None
+    write = "INSERT INTO jobs (job, seed, created_us) VALUES ('sneaky', 0, 0)"
+    with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+        store.read(lambda tx: tx.execute(write))
+    with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+        store.read_row(write + " RETURNING job")
+    # The failed reads left their connections usable.
+    assert store.read(lambda tx: tx.fetchall("SELECT job FROM jobs")) == [("j1",)]
+
+
 def test_concurrent_opens_migrate_once(db_url: str) -> None:
     # Four replicas start at the same moment on an empty database.
     barrier = threading.Barrier(4)
@@ -328,6 +342,8 @@ def test_dropped_connections_are_replaced(
     assert _terminate(db_url, "rngcoord-writer") == 1
     assert _terminate(db_url, "rngcoord-reader") >= 1
     assert store.write(_add_job("after")) == "after"
+    assert store.read_row("SELECT count(*) FROM jobs") == (2,)
+    assert _terminate(db_url, "rngcoord-reader") >= 1
     assert store.read(lambda tx: tx.fetchall("SELECT job FROM jobs ORDER BY job")) == [
         ("after",),
         ("before",),
