@@ -73,8 +73,9 @@ the server ends its session instead, rolling its batch back, and the others carr
 def convert_placeholders(sql: str) -> str:
     """Rewrite portable `?` placeholders to psycopg's `%s`, escaping literal `%` as `%%`.
 
-    A `?` inside a '...' literal, a "..." identifier or a comment is kept as it is. psycopg
-    reads `%` everywhere, literals included, so every `%` is doubled.
+    A `?` inside a '...' literal, a "..." identifier or a comment is kept as it is (the
+    project's SQL uses no dollar quoting). psycopg reads `%` everywhere, literals included, so
+    every `%` is doubled.
 
     Example: `SELECT '?%', x FROM t WHERE a = ?` becomes `SELECT '?%%', x FROM t WHERE a = %s`.
     """
@@ -228,7 +229,7 @@ class PostgresStore:
         self._conn: psycopg.Connection[Any] | None = None
         try:
             self._migrate()
-        except psycopg.Error as exc:
+        except psycopg.OperationalError as exc:
             self._close_writer_connection()
             raise ConnectionError(f"cannot open the store at {self.url}: {exc}") from exc
         except BaseException:
