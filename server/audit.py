@@ -94,13 +94,31 @@ def record_hash(
 
 
 def append(
-    tx: Tx, *, ts_us: int, job: str, group: str, kind: str, actor: str, detail: dict[str, Any]
+    tx: Tx,
+    *,
+    ts_us: int,
+    job: str,
+    group: str,
+    kind: str,
+    actor: str,
+    detail: dict[str, Any],
+    head: tuple[int, str] | None = None,
 ) -> int:
-    """Append a record inside the caller's write transaction and return its id."""
-    head = tx.fetchone("SELECT last_id, last_hash FROM audit_head WHERE id = 1")
+    """Append a record inside the caller's write transaction and return its id.
+
+    Args:
+        tx: the open write transaction.
+        ts_us, job, group, kind, actor, detail: the record's fields (see `AuditRecord`).
+        head: `audit_head`'s (last_id, last_hash) as the caller read it in this transaction
+            after its last append, which saves a query (the grant path reads it in the same
+            join as the group's state); None reads it here. Default None.
+    """
     if head is None:
-        raise RuntimeError("audit_head has no row: the schema migration did not run")
-    record_id, prev_hash = int(head[0]) + 1, str(head[1])
+        row = tx.fetchone("SELECT last_id, last_hash FROM audit_head WHERE id = 1")
+        if row is None:
+            raise RuntimeError("audit_head has no row: the schema migration did not run")
+        head = (int(row[0]), str(row[1]))
+    record_id, prev_hash = head[0] + 1, head[1]
     digest = record_hash(
         id=record_id,
         ts_us=ts_us,

@@ -3,7 +3,8 @@
 One writer connection belongs to the `GroupCommitWriter` thread; it opens every write
 transaction with `BEGIN IMMEDIATE`, which also serialises it against other processes on the
 same file. Reads run on per-thread connections set to `query_only`, each in its own deferred
-transaction, so a read sees one snapshot and WAL lets it run beside the writer. With
+transaction, so a read sees one snapshot and WAL lets it run beside the writer; a read of one
+query (`read_row`) skips the BEGIN and ROLLBACK, as a lone statement is its own snapshot. With
 synchronous=FULL a commit returns only after the WAL is fsynced: a write is durable when
 `write` returns. Schema migrations (server/migrations/sqlite) run at open.
 """
@@ -25,6 +26,11 @@ __all__ = ["SqliteStore", "SqliteTx"]
 T = TypeVar("T")
 
 _BUSY_CODES = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED})
+
+_STATEMENT_CACHE = 512
+"""Prepared statements kept per connection (sqlite3's default is 128). The coordinator runs a
+few dozen fixed statements, but audit listings build one per filter combination, and a
+statement that falls out of the cache is parsed and planned again on its next use."""
 
 
 class SqliteTx:
@@ -96,7 +102,12 @@ class SqliteStore:
     def _connect(self) -> sqlite3.Connection:
         # isolation_level=None: the module must not open transactions behind our back; and
         # connections move between the opening thread, the writer thread and close().
-        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        conn = sqlite3.connect(
+            self.path,
+            isolation_level=None,
+            check_same_thread=False,
+            cached_statements=_STATEMENT_CACHE,
+        )
         conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
         return conn
 
@@ -137,6 +148,23 @@ class SqliteStore:
             return fn(SqliteTx(conn))
         finally:
             conn.execute("ROLLBACK")
+
+    def read_row(self, sql: str, params: Sequence[object] = ()) -> tuple[Any, ...] | None:
+        """Run one query on this thread's reader connection, outside any explicit transaction.
+
+        In autocommit mode SQLite holds a read transaction only while the statement runs, so
+        the query sees one snapshot, and it costs one statement where `read` adds a BEGIN and
+        a ROLLBACK. The cursor is closed before returning: a statement left unfinished would
+        keep its read transaction open and hold back WAL checkpoints.
+        """
+        if self._closed:
+            raise Unavailable("store is closed")
+        cursor = self._reader().execute(sql, tuple(params))
+        try:
+            row: tuple[Any, ...] | None = cursor.fetchone()
+            return row
+        finally:
+            cursor.close()
 
     def write(self, fn: Callable[[Tx], T]) -> T:
         """Run `fn` in the next group commit; durable (WAL fsynced) on return."""

@@ -2,6 +2,8 @@
 
 - `Tx` and `Store`: the protocols the coordinator codes against. SQL is written once, with `?`
   placeholders and portable statements only; a backend adapts it to its driver.
+- `row_reader(store)`: the cheapest way a store offers to read one row of one query; a backend
+  opts in by implementing `RowReader`.
 - `to_db` / `from_db`: uint64 values (seeds, offsets, sizes, cursors) live in signed 64-bit
   columns as `v - 2**63`, which keeps their order.
 - `apply_migrations`: runs server/migrations/<folder>/NNN_*.sql in order inside a caller's
@@ -14,15 +16,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from importlib import resources
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 __all__ = [
     "BIAS",
+    "RowReader",
     "Store",
     "Tx",
     "apply_migrations",
     "from_db",
     "open_store",
+    "row_reader",
     "split_sql",
     "to_db",
 ]
@@ -82,6 +86,32 @@ class Store(Protocol):
     def close(self) -> None:
         """Finish queued writes, then release connections. Later calls raise `Unavailable`."""
         ...
+
+
+@runtime_checkable
+class RowReader(Protocol):
+    """A store that runs a single query without wrapping it in a transaction of its own.
+
+    One statement reads one consistent snapshot by itself, in SQLite as in PostgreSQL, so the
+    BEGIN and ROLLBACK around it buy nothing; a backend whose transaction control costs
+    something per read (SQLite: each statement releases and retakes the GIL) implements this.
+    """
+
+    def read_row(self, sql: str, params: Sequence[object] = ()) -> tuple[Any, ...] | None:
+        """Run one query, which must not write, and return its first row or None."""
+        ...
+
+
+def row_reader(store: Store) -> Callable[[str, Sequence[object]], tuple[Any, ...] | None]:
+    """How to read the first row of one query from `store`: its `read_row` when it is a
+    `RowReader`, else a `read` running that one query."""
+    if isinstance(store, RowReader):
+        return store.read_row
+
+    def read_row(sql: str, params: Sequence[object]) -> tuple[Any, ...] | None:
+        return store.read(lambda tx: tx.fetchone(sql, params))
+
+    return read_row
 
 
 def open_store(url: str) -> Store:
