@@ -16,6 +16,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from rngcoord.server.store import Tx
@@ -32,6 +33,9 @@ __all__ = [
 
 GENESIS_HASH = "0" * 64
 """The `prev_hash` of record 1."""
+
+_string = encode_basestring_ascii
+"""A str as `json.dumps` writes it with ensure_ascii, quotes included."""
 
 KINDS = ("job", "group", "epoch", "grant", "divergence", "restore", "leave", "join_timeout")
 
@@ -79,18 +83,36 @@ def record_hash(
     detail: dict[str, Any],
     prev_hash: str,
 ) -> str:
-    """The hex SHA-256 that chains a record to its predecessor."""
-    body = {
-        "id": id,
-        "ts_us": ts_us,
-        "job": job,
-        "group": group,
-        "kind": kind,
-        "actor": actor,
-        "detail": detail,
-        "prev_hash": prev_hash,
-    }
-    return hashlib.sha256(canonical_json(body).encode("utf-8")).hexdigest()
+    """The hex SHA-256 that chains a record to its predecessor.
+
+    It is the SHA-256 of `canonical_json` of {"id", "ts_us", "job", "group", "kind", "actor",
+    "detail", "prev_hash"}.
+    """
+    return _hash(id, ts_us, job, group, kind, actor, canonical_json(detail), prev_hash)
+
+
+def _hash(
+    id: int,
+    ts_us: int,
+    job: str,
+    group: str,
+    kind: str,
+    actor: str,
+    detail_json: str,
+    prev_hash: str,
+) -> str:
+    """`record_hash` around the detail's canonical JSON, which `append` also stores.
+
+    The body is assembled as `canonical_json` writes it (keys in sorted order, strings escaped
+    by the same encoder, integers as `repr`), so the detail is encoded once per record instead
+    of twice: the grant path appends a record per lease on the store's single writer thread.
+    """
+    body = (
+        f'{{"actor":{_string(actor)},"detail":{detail_json},"group":{_string(group)},'
+        f'"id":{id},"job":{_string(job)},"kind":{_string(kind)},'
+        f'"prev_hash":{_string(prev_hash)},"ts_us":{ts_us}}}'
+    )
+    return hashlib.sha256(body.encode("ascii")).hexdigest()
 
 
 def append(
@@ -119,20 +141,12 @@ def append(
             raise RuntimeError("audit_head has no row: the schema migration did not run")
         head = (int(row[0]), str(row[1]))
     record_id, prev_hash = head[0] + 1, head[1]
-    digest = record_hash(
-        id=record_id,
-        ts_us=ts_us,
-        job=job,
-        group=group,
-        kind=kind,
-        actor=actor,
-        detail=detail,
-        prev_hash=prev_hash,
-    )
+    detail_json = canonical_json(detail)
+    digest = _hash(record_id, ts_us, job, group, kind, actor, detail_json, prev_hash)
     tx.execute(
         "INSERT INTO audit (id, ts_us, job, grp, kind, actor, detail, prev_hash, hash) "
         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (record_id, ts_us, job, group, kind, actor, canonical_json(detail), prev_hash, digest),
+        (record_id, ts_us, job, group, kind, actor, detail_json, prev_hash, digest),
     )
     tx.execute("UPDATE audit_head SET last_id = ?, last_hash = ? WHERE id = 1", (record_id, digest))
     return record_id
