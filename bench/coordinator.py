@@ -546,8 +546,15 @@ def report_line(r: Result) -> str:
     )
 
 
-def measure_coordinator(args: argparse.Namespace, db_url: str, workdir: Path) -> list[Result]:
-    servers = [Server(db_url, workdir, i) for i in range(args.replicas)]
+def measure_coordinator(
+    args: argparse.Namespace,
+    db_url: str,
+    workdir: Path,
+    *,
+    system: str = "coordinator",
+    replicas: int = 1,
+) -> list[Result]:
+    servers = [Server(db_url, workdir, i) for i in range(replicas)]
     targets = [s.address for s in servers]
     log(f"{len(servers)} coordinator(s) at {', '.join(targets)} on {redact_url(db_url)}")
     pool = ClientPool(min(args.client_processes, max(args.levels)))
@@ -556,7 +563,7 @@ def measure_coordinator(args: argparse.Namespace, db_url: str, workdir: Path) ->
         for mode in MODES:
             for clients in args.levels:
                 latencies, errors = pool.run(targets, mode, clients, args.warmup, args.seconds)
-                result = _result("coordinator", mode, clients, latencies, errors, args.seconds)
+                result = _result(system, mode, clients, latencies, errors, args.seconds)
                 log(report_line(result))
                 results.append(result)
     finally:
@@ -589,9 +596,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.postgres:
             with scratch_postgres(args.db, "coord") as url:
-                results += measure_coordinator(args, url, workdir)
+                results += measure_coordinator(args, url, workdir, replicas=args.replicas)
             with scratch_postgres(args.db, "bare") as url:
                 results += measure_baseline(PsycopgBaseline(url), args)
+            # The same workload on the embedded default, so the PostgreSQL figures come with
+            # their ratio to a SQLite coordinator measured in this run.
+            results += measure_coordinator(
+                args, f"sqlite:///{workdir / 'bench.db'}", workdir, system="coord-sqlite"
+            )
         else:
             results += measure_coordinator(args, f"sqlite:///{workdir / 'bench.db'}", workdir)
         results += measure_baseline(SqliteBaseline(workdir / "baseline.db"), args)
@@ -623,6 +635,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.postgres:
         bare = pick("bare-psycopg", "durable", top)
         summary["ratio_to_psycopg_baseline"] = round(durable.per_s / max(bare.per_s, 1e-9), 2)
+        on_sqlite = pick("coord-sqlite", "durable", top)
+        summary["ratio_to_sqlite_coordinator"] = round(
+            durable.per_s / max(on_sqlite.per_s, 1e-9), 2
+        )
+        hits_on_sqlite = pick("coord-sqlite", "hits", top)
+        summary["hits_ratio_to_sqlite_coordinator"] = round(
+            hits.per_s / max(hits_on_sqlite.per_s, 1e-9), 2
+        )
     for r in results:
         print(report_line(r))
     print(json.dumps(summary, separators=(",", ":")))
