@@ -296,6 +296,9 @@ class Server:
 
     def __init__(self, db_url: str, workdir: Path, index: int) -> None:
         ready = workdir / f"ready-{index}"
+        # A run may start several coordinators in turn (PostgreSQL, then SQLite): a ready file
+        # left by an earlier one would hand out a dead address.
+        ready.unlink(missing_ok=True)
         self.log = workdir / f"server-{index}.log"
         cmd = [sys.executable, "-m", "rngcoord.server.cli", "serve", "--listen", "127.0.0.1:0"]
         cmd += ["--db", db_url, "--metrics", "off", "--ready-file", str(ready)]
