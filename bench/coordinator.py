@@ -12,7 +12,9 @@ What runs, all in one invocation so that the figures are measured side by side:
    1 and calls Reserve in a closed loop. "durable": each call asks for the next seq, so each
    one is a new grant, committed before the reply. "hits": each call repeats one of 8 leases
    granted during setup, answered from a read. Client i talks to replica i mod N.
-3. The baselines: the same two workloads as bare SQL transactions, no gRPC, one connection per
+3. The transport's ceiling: the hits workload against a no-op servicer (constant replies) on
+   the coordinator's thread pool, started by this script (`serve-noop`).
+4. The baselines: the same two workloads as bare SQL transactions, no gRPC, one connection per
    client thread in this process: `BEGIN IMMEDIATE; UPDATE groups SET high_water = high_water
    + size ... RETURNING high_water; INSERT INTO leases ...; COMMIT` on SQLite (WAL,
    synchronous=FULL), and a primary-key SELECT for hits. With a PostgreSQL --db the same
@@ -22,7 +24,8 @@ Throughput counts the calls completed inside the measured window (after a warm-u
 is each call's wall time as the client sees it. Progress goes to stderr; stdout gets a table
 and, as its last line, one JSON object with durable_grants_per_s, idempotent_hits_per_s and
 p99_ms_at_64 (coordinator, at the highest client count), ratio_to_sqlite_baseline (durable
-grants over the bare-SQLite baseline at that count), and every per-level figure.
+grants over the bare-SQLite baseline at that count), hits_ratio_to_noop_grpc (coordinator hits
+over the no-op server's calls), and every per-level figure.
 """
 
 from __future__ import annotations
@@ -294,15 +297,18 @@ class ClientPool:
 class Server:
     """A `rngcoord serve` subprocess on an ephemeral port."""
 
-    def __init__(self, db_url: str, workdir: Path, index: int) -> None:
+    def __init__(
+        self, db_url: str, workdir: Path, index: int, command: list[str] | None = None
+    ) -> None:
         ready = workdir / f"ready-{index}"
         # A run may start several coordinators in turn (PostgreSQL, then SQLite): a ready file
         # left by an earlier one would hand out a dead address.
         ready.unlink(missing_ok=True)
         self.log = workdir / f"server-{index}.log"
-        cmd = [sys.executable, "-m", "rngcoord.server.cli", "serve", "--listen", "127.0.0.1:0"]
-        cmd += ["--db", db_url, "--metrics", "off", "--ready-file", str(ready)]
-        cmd += ["--log-level", "WARNING"]
+        cmd = command or [sys.executable, "-m", "rngcoord.server.cli", "serve"]
+        cmd += ["--listen", "127.0.0.1:0", "--ready-file", str(ready)]
+        if command is None:
+            cmd += ["--db", db_url, "--metrics", "off", "--log-level", "WARNING"]
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(cmd, cwd=workdir, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
@@ -321,6 +327,42 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+# ------------------------------------------------------------------- the transport ceiling
+
+
+class NoopCoordinator(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
+    """Answers JoinGroup and Reserve with constants: what Python gRPC alone costs."""
+
+    def JoinGroup(self, request: pb.JoinGroupRequest, context: object) -> pb.JoinGroupResponse:
+        return pb.JoinGroupResponse(epoch=1, seed=1, start=0, job_seed=1, members=["bench"])
+
+    def Reserve(self, request: pb.ReserveRequest, context: object) -> pb.ReserveResponse:
+        lease = pb.Lease(
+            group=request.group,
+            epoch=request.epoch,
+            seq=request.seq,
+            seed=1,
+            start=request.seq * LEASE_SIZE,
+            end=(request.seq + 1) * LEASE_SIZE,
+        )
+        return pb.ReserveResponse(lease=lease, existing=True)
+
+
+def serve_noop(listen: str, ready_file: str) -> int:
+    """Run NoopCoordinator with the coordinator's thread pool until terminated."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rngcoord.server.app import WORKERS
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS))
+    pb_grpc.add_CoordinatorServicer_to_server(NoopCoordinator(), server)
+    port = server.add_insecure_port(listen)
+    server.start()
+    Path(ready_file).write_text(f"127.0.0.1:{port}")
+    server.wait_for_termination()
+    return 0
 
 
 # ---------------------------------------------------------------------------- baselines
@@ -556,14 +598,16 @@ def measure_coordinator(
     *,
     system: str = "coordinator",
     replicas: int = 1,
+    modes: tuple[str, ...] = MODES,
+    command: list[str] | None = None,
 ) -> list[Result]:
-    servers = [Server(db_url, workdir, i) for i in range(replicas)]
+    servers = [Server(db_url, workdir, i, command) for i in range(replicas)]
     targets = [s.address for s in servers]
     log(f"{len(servers)} coordinator(s) at {', '.join(targets)} on {redact_url(db_url)}")
     pool = ClientPool(min(args.client_processes, max(args.levels)))
     results = []
     try:
-        for mode in MODES:
+        for mode in modes:
             for clients in args.levels:
                 latencies, errors = pool.run(targets, mode, clients, args.warmup, args.seconds)
                 result = _result(system, mode, clients, latencies, errors, args.seconds)
@@ -610,6 +654,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             results += measure_coordinator(args, f"sqlite:///{workdir / 'bench.db'}", workdir)
         results += measure_baseline(SqliteBaseline(workdir / "baseline.db"), args)
+        # The transport's ceiling: the hits workload against a servicer that does no work.
+        results += measure_coordinator(
+            args,
+            "",
+            workdir,
+            system="grpc-noop",
+            modes=("hits",),
+            command=[sys.executable, str(Path(__file__).resolve()), "serve-noop"],
+        )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -619,12 +672,15 @@ def main(argv: list[str] | None = None) -> int:
     top = max(args.levels)
     durable, hits = pick("coordinator", "durable", top), pick("coordinator", "hits", top)
     sqlite_durable = pick("bare-sqlite", "durable", top)
+    ceiling = pick("grpc-noop", "hits", top)
     summary: dict[str, Any] = {
         "durable_grants_per_s": round(durable.per_s),
         "idempotent_hits_per_s": round(hits.per_s),
         "p99_ms_at_64": round(durable.p99_ms, 2),
         "p99_hits_ms_at_64": round(hits.p99_ms, 2),
         "ratio_to_sqlite_baseline": round(durable.per_s / max(sqlite_durable.per_s, 1e-9), 2),
+        "noop_grpc_calls_per_s": round(ceiling.per_s),
+        "hits_ratio_to_noop_grpc": round(hits.per_s / max(ceiling.per_s, 1e-9), 2),
         "at_clients": top,
         "store": "postgresql" if args.postgres else "sqlite",
         "replicas": args.replicas,
@@ -653,4 +709,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve-noop"]:
+        # How this script starts its own no-op server (see `ceiling`): serve-noop --listen
+        # HOST:PORT --ready-file FILE.
+        options = dict(zip(sys.argv[2::2], sys.argv[3::2], strict=True))
+        sys.exit(serve_noop(options["--listen"], options["--ready-file"]))
     sys.exit(main())
