@@ -21,7 +21,6 @@ __all__ = [
     "NotFound",
     "ResourceExhausted",
     "StaleEpoch",
-    "Unauthenticated",
     "Unavailable",
 ]
 
@@ -79,12 +78,6 @@ class JoinTimeout(CoordinatorError):
     """A join barrier timed out; the message names the missing ranks."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-class Unauthenticated(CoordinatorError):
-    """A missing or wrong bearer token."""
-
-    code = grpc.StatusCode.UNAUTHENTICATED
 
 
 class Unavailable(CoordinatorError):

@@ -224,3 +224,18 @@ def test_failed_commit_fails_every_operation(tmp_path: Path) -> None:
         writer.submit(op)
     writer.close()
     assert conn.execute("SELECT COUNT(*) FROM t").fetchone() == (0,)
+
+
+def test_the_writer_commits_to_stable_storage(store_url: str) -> None:
+    # A grant is answered only after its commit; these settings make that commit durable.
+    # (The crash tests SIGKILL the server, which the OS page cache survives, so they cannot
+    # tell a commit that reached the disk from one that did not.)
+    store = open_store(store_url)
+    try:
+        if store.dialect == "sqlite":
+            assert store.write(lambda tx: tx.fetchone("PRAGMA synchronous")) == (2,)  # FULL
+            assert store.write(lambda tx: tx.fetchone("PRAGMA journal_mode")) == ("wal",)
+        else:
+            assert store.write(lambda tx: tx.fetchone("SHOW synchronous_commit")) == ("on",)
+    finally:
+        store.close()
