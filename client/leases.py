@@ -73,6 +73,12 @@ class LeaseStats:
     stalls: int = 0
 
 
+def check_lease_size(lease_size: int) -> None:
+    """Refuse a lease size the coordinator would refuse: a multiple of 4 in [4, 2^64)."""
+    if lease_size < 4 or lease_size % 4 or lease_size >= 1 << 64:
+        raise InvalidRequest(f"lease_size must be a multiple of 4 in [4, 2^64), got {lease_size}")
+
+
 class LeaseManager:
     """The leases of one group's epoch on one rank.
 
@@ -100,10 +106,7 @@ class LeaseManager:
         lease_size: int,
         resume: tuple[int, bytes] | None = None,
     ) -> None:
-        if lease_size < 4 or lease_size % 4 or lease_size >= 1 << 64:
-            raise InvalidRequest(
-                f"lease_size must be a multiple of 4 in [4, 2^64), got {lease_size}"
-            )
+        check_lease_size(lease_size)
         self._client = client
         self.job = job
         self.group = group

@@ -55,7 +55,6 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .connection import CoordinatorClient
 from .devices import (
-    PHILOX_OFFSET_LIMIT,
     CPUStateWriter,
     DeviceHandle,
     check_philox_offset,
@@ -66,7 +65,7 @@ from .devices import (
 )
 from .errors import InvalidRequest, RNGCoordError
 from .groups import GroupSpec, mesh_group, shared_group
-from .leases import INITIAL_DIGEST, LeaseManager
+from .leases import INITIAL_DIGEST, LeaseManager, check_lease_size
 
 logger = logging.getLogger(__name__)
 
@@ -572,10 +571,10 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         RNGStateTracker.__init__(self, device_mesh.device_type)
         if seed is not None and not 0 <= seed < 1 << 64:
             raise InvalidRequest(f"seed must be a uint64, got {seed}")
-        if lease_size < 4 or lease_size % 4 or lease_size >= PHILOX_OFFSET_LIMIT:
-            raise InvalidRequest(
-                f"lease_size must be a multiple of 4 in [4, 2^63), got {lease_size}"
-            )
+        # Checked here as well as in LeaseManager so that a bad size fails at install(),
+        # not at the first random op. Offsets past 2^63 on Philox devices are refused per op
+        # (devices.check_philox_offset), since CPU streams may use the whole uint64 range.
+        check_lease_size(lease_size)
         self.client = client
         self.job = job
         self.lease_size = lease_size
