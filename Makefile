@@ -29,7 +29,7 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python scripts/typecheck.py
+	$(BIN)/mypy
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py

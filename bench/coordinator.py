@@ -53,6 +53,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import grpc
+
 from rngcoord.server.app import redact_url
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
@@ -332,8 +333,15 @@ class Server:
 # ------------------------------------------------------------------- the transport ceiling
 
 
-class NoopCoordinator(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
-    """Answers JoinGroup and Reserve with constants: what Python gRPC alone costs."""
+class NoopCoordinator(pb_grpc.CoordinatorServicer):
+    """Answers JoinGroup and Reserve with constants: what Python gRPC alone costs.
+
+    The other RPCs keep the generated servicer's UNIMPLEMENTED answers."""
+
+    LeaveGroup = pb_grpc.CoordinatorServicer.LeaveGroup
+    GetGroup = pb_grpc.CoordinatorServicer.GetGroup
+    Restore = pb_grpc.CoordinatorServicer.Restore
+    ListAudit = pb_grpc.CoordinatorServicer.ListAudit
 
     def JoinGroup(self, request: pb.JoinGroupRequest, context: object) -> pb.JoinGroupResponse:
         return pb.JoinGroupResponse(epoch=1, seed=1, start=0, job_seed=1, members=["bench"])

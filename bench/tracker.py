@@ -39,11 +39,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.tensor as dt
 import torch.distributed.tensor._random as dtensor_random
-from rngcoord.client import OffsetBasedRNGTracker, install
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg
+
+from rngcoord.client import OffsetBasedRNGTracker, install
 
 SHAPE = (1024, 1024)
 WORLD = 4

@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from rngcoord.client import LeaseManager, OffsetBasedRNGTracker, init_mesh, install
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -49,6 +49,8 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     parallelize_module,
 )
+
+from rngcoord.client import LeaseManager, OffsetBasedRNGTracker, init_mesh, install
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 
@@ -232,7 +234,7 @@ def save_checkpoint(
     # writes .metadata, so a checkpoint that has .metadata has every rank's tracker file.
     torch.save(tracker.state_dict(), path / f"rng-rank{dist.get_rank()}.pt")
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     return path
 
 
@@ -243,11 +245,9 @@ def load_checkpoint(
     tracker: OffsetBasedRNGTracker,
 ) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
+    # dcp.load fills the tensors of these dicts in place.
+    dcp_load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     tracker.load_state_dict(torch.load(path / f"rng-rank{dist.get_rank()}.pt"))
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from test_server_image import COORDINATOR_DOCKERFILE, dockerfile_instructions
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -229,10 +229,11 @@ def semantics(ctx: Ctx) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     import torch.distributed.tensor as dt
-    from rngcoord.client import RNGStateTracker, init_mesh, install
-    from rngcoord.client.router import register, unregister
     from torch.distributed.tensor import Replicate as R
     from torch.distributed.tensor import Shard as S
+
+    from rngcoord.client import RNGStateTracker, init_mesh, install
+    from rngcoord.client.router import register, unregister
 
     mesh = init_mesh((2, 2), ("dp", "tp"), "cpu")
     addr, seed, lease, prefix = (ctx.args[k] for k in ("addr", "seed", "lease_size", "prefix"))
@@ -252,6 +253,7 @@ def semantics(ctx: Ctx) -> dict[str, Any]:
     out["rng_states"] = {k: v.clone() for k, v in a.rng_states.items()}
     out["stats"] = {name: vars(m.stats).copy() for name, m in a.leases.items()}
     import torch.distributed.tensor._random as dtensor_random
+
     from rngcoord.client.router import TrackerRouter
 
     router = dtensor_random._rng_tracker
@@ -316,8 +318,9 @@ def semantics(ctx: Ctx) -> dict[str, Any]:
 def divergence(ctx: Ctx) -> dict[str, Any]:
     """Both ranks run rand((16,)) ops; rank 1 runs one extra randn((16,)) after op 5."""
     import torch.distributed.tensor as dt
-    from rngcoord.client import DivergenceError, init_mesh, install
     from torch.distributed.tensor import Replicate as R
+
+    from rngcoord.client import DivergenceError, init_mesh, install
 
     mesh = init_mesh((ctx.world,), ("dp",), "cpu")
     tracker = install(mesh, ctx.args["addr"], job=ctx.args["job"], seed=1, lease_size=64)
@@ -340,9 +343,10 @@ def restart(ctx: Ctx) -> dict[str, Any]:
     coordinator. Lease size 256: lease 0 is current and lease 1 has arrived when it dies."""
     import torch.distributed as dist
     import torch.distributed.tensor as dt
+    from torch.distributed.tensor import Replicate as R
+
     from rngcoord.client import RNGStateTracker, init_mesh, install
     from rngcoord.client.router import register, unregister
-    from torch.distributed.tensor import Replicate as R
 
     mesh = init_mesh((ctx.world,), ("dp",), "cpu")
     tracker = install(mesh, ctx.args["addr"], job="restart", seed=5, lease_size=256, retries=8)
@@ -392,9 +396,10 @@ def shared(ctx: Ctx) -> dict[str, Any]:
     install() errors and the refused seed interface."""
     import torch.distributed as dist
     import torch.distributed.tensor as dt
-    from rngcoord.client import InvalidRequest, init_mesh, install
     from torch.distributed.tensor import Replicate as R
     from torch.distributed.tensor import Shard as S
+
+    from rngcoord.client import InvalidRequest, init_mesh, install
 
     mesh = init_mesh((2, 2), ("dp", "tp"), "cpu")
     out: dict[str, Any] = {}
@@ -497,12 +502,13 @@ def fake_device(ctx: Ctx) -> dict[str, Any]:
     import torch
     import torch.distributed.tensor._random as dtensor_random
     import torch.nn.functional as F
-    from rngcoord.client import OffsetsExhausted, init_mesh, install
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor import Replicate as R
     from torch.distributed.tensor import Shard as S
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from rngcoord.client import OffsetsExhausted, init_mesh, install
 
     fake = fake_gpu()
     mesh = init_mesh((2, 2), ("dp", "tp"), "fakegpu")

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from programs import run_threads, start_gloo
+
 from rngcoord.client import CoordinatorClient
 
 SEED = 20240611

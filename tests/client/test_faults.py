@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from programs import run_threads, start_gloo, wait_file
+
 from rngcoord.client import CoordinatorClient
 
 OP = 16  # offsets per op: rand((16,))

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
 from rngcoord.client import (
     CoordinatorClient,
     CoordinatorUnavailable,

@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from rngcoord.client import (
     AuthenticationError,
     CoordinatorClient,

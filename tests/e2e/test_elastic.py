@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CoordinatorProcess, run_cli
+
+from harness import CoordinatorProcess, run_cli
 from rngcoord.server import demo
 
 WORKERS, STEPS = 4, 6

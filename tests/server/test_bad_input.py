@@ -16,9 +16,10 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import CoordinatorProcess, run_cli, wait_for_group
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from harness import CoordinatorProcess, run_cli, wait_for_group
 from rngcoord.v1 import coordinator_pb2 as pb
 
 JOB, GROUP = "bad-input", "ref"

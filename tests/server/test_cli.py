@@ -13,7 +13,8 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+
+from harness import run_cli
 from rngcoord.server.coordinator import Coordinator
 from rngcoord.server.store import open_store
 

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
+
 from rngcoord.server import audit, seeds
 from rngcoord.server.coordinator import Coordinator, JoinResult, ReserveResult
 from rngcoord.server.errors import (

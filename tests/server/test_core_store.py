@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from rngcoord.server.errors import Divergence, InvalidArgument, Unavailable
 from rngcoord.server.groupcommit import GroupCommitWriter
 from rngcoord.server.sqlite import SqliteStore, SqliteTx

@@ -17,7 +17,8 @@ from multiprocessing.sharedctypes import Synchronized
 from typing import NamedTuple
 
 import grpc
-from conftest import CoordinatorFactory, run_cli
+
+from harness import CoordinatorFactory, run_cli
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -165,9 +166,9 @@ def test_sigkill_mid_storm_loses_no_answered_lease(
         #    committed before the kill with its reply lost: then it reads back, still contiguous.
         end = last.end
         for seq in range(last.seq + 1, last.seq + 4):
-            lease = _reserve(stub, group, last.member, last.epoch, seq).lease
-            assert lease.start == end, f"{group} seq {seq} overlaps or leaves a hole"
-            end = lease.end
+            next_lease = _reserve(stub, group, last.member, last.epoch, seq).lease
+            assert next_lease.start == end, f"{group} seq {seq} overlaps or leaves a hole"
+            end = next_lease.end
         # 3. A restarted member forms a new epoch, which starts past everything granted.
         rejoined = stub.JoinGroup(
             pb.JoinGroupRequest(

@@ -13,7 +13,8 @@ import multiprocessing
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from conftest import CoordinatorFactory, join_all
+
+from harness import CoordinatorFactory, join_all
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 

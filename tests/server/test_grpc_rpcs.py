@@ -14,7 +14,8 @@ import json
 
 import grpc
 import pytest
-from conftest import CoordinatorProcess, join_all
+
+from harness import CoordinatorProcess, join_all
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 

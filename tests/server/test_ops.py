@@ -16,9 +16,10 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import CoordinatorFactory, CoordinatorProcess, join_all, wait_for_group
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
+
+from harness import CoordinatorFactory, CoordinatorProcess, join_all, wait_for_group
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 
 import psycopg
 import pytest
-from conftest import DEFAULT_POSTGRES, POSTGRES_ENV
+
+from harness import DEFAULT_POSTGRES, POSTGRES_ENV
 from rngcoord.server.coordinator import Coordinator, ReserveResult
 from rngcoord.server.errors import StaleEpoch, Unavailable
 from rngcoord.server.postgres import PostgresStore, convert_placeholders

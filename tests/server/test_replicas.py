@@ -19,8 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from conftest import CoordinatorProcess, run_cli
 from replica_client import FINGERPRINT, lease_size
+
+from harness import CoordinatorProcess, run_cli
 from rngcoord.client import CoordinatorClient
 
 WORKER = Path(__file__).with_name("replica_client.py")

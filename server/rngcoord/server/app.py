@@ -28,6 +28,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from rngcoord.server.auth import TokenAuthInterceptor, load_tokens
 from rngcoord.server.coordinator import Coordinator
 from rngcoord.server.logs import configure, event, get_logger
@@ -146,7 +147,7 @@ def start_server(
             # Without this, a second server could bind the same port and silently share it.
             options=[("grpc.so_reuseport", 0)],
         )
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(  # type: ignore[no-untyped-call]
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
             CoordinatorServicer(Coordinator(store, join_timeout_s=join_timeout_s), metrics),
             server,
         )

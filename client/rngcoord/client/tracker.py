@@ -53,8 +53,8 @@ from torch.distributed._functional_collectives import _are_we_tracing
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from .connection import CoordinatorClient
-from .devices import (
+from rngcoord.client.connection import CoordinatorClient
+from rngcoord.client.devices import (
     CPUStateWriter,
     DeviceHandle,
     check_philox_offset,
@@ -63,9 +63,9 @@ from .devices import (
     pack_philox,
     unpack_philox,
 )
-from .errors import InvalidRequest, RNGCoordError
-from .groups import GroupSpec, mesh_group, shared_group
-from .leases import INITIAL_DIGEST, LeaseManager, check_lease_size
+from rngcoord.client.errors import InvalidRequest, RNGCoordError
+from rngcoord.client.groups import GroupSpec, mesh_group, shared_group
+from rngcoord.client.leases import INITIAL_DIGEST, LeaseManager, check_lease_size
 
 logger = logging.getLogger(__name__)
 
@@ -709,7 +709,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
     def close(self) -> None:
         """Leave every joined group, stop the prefetch threads, unregister from DTensor and
         close the client if this tracker owns it."""
-        from .router import unregister
+        from rngcoord.client.router import unregister
 
         unregister(self)
         errors = []

@@ -39,12 +39,13 @@ from pathlib import Path
 from typing import IO, Any
 
 import grpc
+
 from rngcoord.server import cli
 from rngcoord.server.app import start_server
 from rngcoord.server.logs import configure
 from rngcoord.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_tp.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "train_tp.py"
 """The training script; the demo runs from a source checkout, as `make demo` does."""
 
 JOB_TIMEOUT_S = 300.0
@@ -464,8 +465,8 @@ def check_bitwise_resume(reference: Path, resumed: Path, checkpoint_step: int) -
     )
 
 
-def _metadata(token: str | None) -> list[tuple[str, str]]:
-    return [("authorization", f"Bearer {token}")] if token is not None else []
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token is not None else ()
 
 
 # --- the demo -------------------------------------------------------------------------------
@@ -532,8 +533,7 @@ class _Demo:
             )
             channel = grpc.insecure_channel(server.address)
             try:
-                # The generated gRPC module carries no annotations.
-                stub = coordinator_pb2_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+                stub = coordinator_pb2_grpc.CoordinatorStub(channel)
                 self._jobs(server.address, stub)
             finally:
                 channel.close()

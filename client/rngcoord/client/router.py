@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.tensor._random as dtensor_random
 
-from .errors import RNGCoordError
+from rngcoord.client.errors import RNGCoordError
 
 if TYPE_CHECKING:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-    from .tracker import RNGStateTracker
+    from rngcoord.client.tracker import RNGStateTracker
 
 _lock = threading.Lock()
 

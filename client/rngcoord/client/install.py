@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import router
-from .compat import check_torch
-from .connection import CoordinatorClient
-from .devices import device_handle, dispatchable_backend
-from .errors import InvalidRequest, RNGCoordError
-from .groups import NAME_RE
-from .tracker import OffsetBasedRNGTracker
+from rngcoord.client import router
+from rngcoord.client.compat import check_torch
+from rngcoord.client.connection import CoordinatorClient
+from rngcoord.client.devices import device_handle, dispatchable_backend
+from rngcoord.client.errors import InvalidRequest, RNGCoordError
+from rngcoord.client.groups import NAME_RE
+from rngcoord.client.tracker import OffsetBasedRNGTracker
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import types
 
 import torch
 
-from .errors import UnsupportedTorchError
+from rngcoord.client.errors import UnsupportedTorchError
 
 #: (major, minor) versions of torch the DTensor hooks are written and tested against.
 SUPPORTED_TORCH = ((2, 13), (2, 14))

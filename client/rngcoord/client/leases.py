@@ -39,8 +39,13 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from .connection import CoordinatorClient, JoinResult, Lease
-from .errors import CoordinatorUnavailable, DivergenceError, InvalidRequest, RNGCoordError
+from rngcoord.client.connection import CoordinatorClient, JoinResult, Lease
+from rngcoord.client.errors import (
+    CoordinatorUnavailable,
+    DivergenceError,
+    InvalidRequest,
+    RNGCoordError,
+)
 
 #: The fingerprint chain's value before any op.
 INITIAL_DIGEST = hashlib.sha256(b"rngcoord/v1/ops").digest()

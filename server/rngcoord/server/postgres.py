@@ -40,6 +40,7 @@ import psycopg
 import psycopg.conninfo
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool, PoolTimeout
+
 from rngcoord.server.errors import Unavailable
 from rngcoord.server.groupcommit import GroupCommitWriter
 from rngcoord.server.store import Tx, apply_migrations

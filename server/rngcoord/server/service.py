@@ -16,6 +16,7 @@ from time import perf_counter
 from typing import NoReturn
 
 import grpc
+
 from rngcoord.server.audit import canonical_json
 from rngcoord.server.coordinator import Coordinator
 from rngcoord.server.errors import CoordinatorError, Divergence

@@ -18,10 +18,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-from rngcoord.v1 import coordinator_pb2 as pb
-from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 
-from .errors import (
+from rngcoord.client.errors import (
     AuthenticationError,
     CoordinatorUnavailable,
     DivergenceError,
@@ -33,6 +31,8 @@ from .errors import (
     RNGCoordError,
     StaleEpochError,
 )
+from rngcoord.v1 import coordinator_pb2 as pb
+from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 
 #: Where the client looks for the coordinator when neither ``targets`` nor RNGCOORD_ADDR say.
 DEFAULT_ADDR = "localhost:29520"
@@ -184,7 +184,7 @@ class CoordinatorClient:
             else grpc.insecure_channel(t, options=_CHANNEL_OPTIONS)
             for t in resolved
         ]
-        self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]  # type: ignore[no-untyped-call]
+        self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
         self._current = 0
         self.deadline_s = deadline_s
         self.retries = retries

@@ -7,9 +7,9 @@ torch versions: :data:`SUPPORTED_TORCH`.
 
 from __future__ import annotations
 
-from .compat import SUPPORTED_TORCH
-from .connection import CoordinatorClient
-from .errors import (
+from rngcoord.client.compat import SUPPORTED_TORCH
+from rngcoord.client.connection import CoordinatorClient
+from rngcoord.client.errors import (
     AuthenticationError,
     CoordinatorUnavailable,
     DivergenceError,
@@ -22,9 +22,9 @@ from .errors import (
     StaleEpochError,
     UnsupportedTorchError,
 )
-from .install import init_mesh, install
-from .leases import LeaseManager
-from .tracker import OffsetBasedRNGTracker, RNGStateTracker
+from rngcoord.client.install import init_mesh, install
+from rngcoord.client.leases import LeaseManager
+from rngcoord.client.tracker import OffsetBasedRNGTracker, RNGStateTracker
 
 __all__ = [
     "SUPPORTED_TORCH",

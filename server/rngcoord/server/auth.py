@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
+
 from rngcoord.server.errors import InvalidArgument
 from rngcoord.server.names import check_name
 from rngcoord.v1 import coordinator_pb2
