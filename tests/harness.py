@@ -239,10 +239,12 @@ def join_all(
     *,
     job_seed: int | None = None,
     timeout_ms: int = 30_000,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> list[coordinator_pb2.JoinGroupResponse]:
     """Join every rank of `group` at once (one thread per rank); return the replies by rank.
 
-    Member ids are `m<rank>-<random>`; the replies' `members` field lists them.
+    Member ids are `m<rank>-<random>`; the replies' `members` field lists them. `metadata` goes
+    with every call (a bearer token).
     """
     suffix = uuid.uuid4().hex[:8]
 
@@ -257,7 +259,7 @@ def join_all(
             timeout_ms=timeout_ms,
         )
         response: coordinator_pb2.JoinGroupResponse = stub.JoinGroup(
-            request, timeout=timeout_ms / 1000 + 10
+            request, timeout=timeout_ms / 1000 + 10, metadata=metadata
         )
         return response
 

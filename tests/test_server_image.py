@@ -173,6 +173,13 @@ def test_server_extra_installs_no_torch(image_venv: Path) -> None:
     assert imported.returncode == 0, imported.stderr
 
 
+def test_demo_says_it_needs_the_client_extra(image_venv: Path) -> None:
+    result = _run([str(image_venv / "bin" / "rngcoord"), "demo"], env=_clean_env())
+    assert result.returncode == 2
+    assert "needs the client extra" in result.stderr
+    assert "pip install 'rngcoord[client]'" in result.stderr
+
+
 def test_serve_answers_grpc_health_without_torch(image_venv: Path, tmp_path: Path) -> None:
     _, runtime = coordinator_stages()
     ready = tmp_path / "ready"

@@ -10,24 +10,16 @@ import doctest
 import socket
 import types
 
-import grpc
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from rngcoord.client import (
-    AuthenticationError,
     CoordinatorClient,
     CoordinatorUnavailable,
-    DivergenceError,
-    FailedPreconditionError,
     InvalidRequest,
-    JoinTimeoutError,
-    NotFoundError,
     OffsetsExhausted,
-    RNGCoordError,
-    StaleEpochError,
     UnsupportedTorchError,
     compat,
     connection,
@@ -134,44 +126,6 @@ def test_torch_check() -> None:
     assert compat.torch_version("2.14.0a0+git1234") == (2, 14)
     with pytest.raises(UnsupportedTorchError, match=r"supported: 2\.13, 2\.14"):
         compat.check_torch("2.12.1")
-
-
-@pytest.mark.parametrize(
-    ("code", "details", "error", "hint"),
-    [
-        (grpc.StatusCode.INVALID_ARGUMENT, "group: bad name", InvalidRequest, "group: bad"),
-        (grpc.StatusCode.NOT_FOUND, "unknown group 'g'", NotFoundError, "join the group"),
-        (
-            grpc.StatusCode.FAILED_PRECONDITION,
-            "divergence in group 'g' epoch 1 seq 3: rank 1 asked for ...",
-            DivergenceError,
-            "same order",
-        ),
-        (
-            grpc.StatusCode.FAILED_PRECONDITION,
-            "epoch 1 of group 'g' is stale: the current epoch is 2; rejoin the group",
-            StaleEpochError,
-            "install() again",
-        ),
-        (
-            grpc.StatusCode.FAILED_PRECONDITION,
-            "job 'j' has root seed 1; the request asked for 2",
-            FailedPreconditionError,
-            "root seed 1",
-        ),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, "group 'g' has used", OffsetsExhausted, "used"),
-        (grpc.StatusCode.UNAUTHENTICATED, "wrong token", AuthenticationError, "RNGCOORD_TOKEN"),
-        (grpc.StatusCode.DEADLINE_EXCEEDED, "ranks [1] did not join", JoinTimeoutError, "[1]"),
-        (grpc.StatusCode.INTERNAL, "boom", RNGCoordError, "coordinator's log"),
-    ],
-)
-def test_status_codes_map_to_errors(
-    code: grpc.StatusCode, details: str, error: type[RNGCoordError], hint: str
-) -> None:
-    mapped = connection._map_error("Reserve", "h:1", code, details)
-    assert type(mapped) is error
-    assert mapped.code == code.name
-    assert "Reserve at h:1" in str(mapped) and hint in str(mapped)
 
 
 def _closed_port() -> str:

@@ -2,7 +2,7 @@
 
 Hypothesis generates malformed names, member ids, sizes, fingerprints, cursors, epochs, world
 sizes and ranks, and sends them to a live server (one per store backend, shared by the module).
-Invariant 9 of the design: each request gets the right code with a message naming the field;
+docs/design.md §2.9: each request gets the right code with a message naming the field;
 afterwards the server still reports SERVING, the reference group is unchanged, and
 `rngcoord verify` passes.
 """
@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from harness import CoordinatorProcess, run_cli, wait_for_group
 from rngcoord.v1 import coordinator_pb2 as pb
+from rngcoord.v1.rules import MAX_WORLD_SIZE
 
 JOB, GROUP = "bad-input", "ref"
 MAX_OFFSET = 2**64 - 4
@@ -290,11 +291,11 @@ def test_bad_world_sizes_and_ranks_are_refused(ref: Ref) -> None:
 
         @EXAMPLES
         @given(
-            world_size=st.one_of(st.just(0), st.integers(65537, 2**32 - 1)),
-            mismatch=st.integers(3, 65536).flatmap(
+            world_size=st.one_of(st.just(0), st.integers(MAX_WORLD_SIZE + 1, 2**32 - 1)),
+            mismatch=st.integers(3, MAX_WORLD_SIZE).flatmap(
                 lambda ws: st.tuples(st.just(ws), st.integers(1, ws - 1))
             ),
-            overflow=st.integers(1, 65536).flatmap(
+            overflow=st.integers(1, MAX_WORLD_SIZE).flatmap(
                 lambda ws: st.tuples(st.just(ws), st.integers(ws, 2**32 - 1))
             ),
         )

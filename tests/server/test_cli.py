@@ -16,7 +16,7 @@ import pytest
 
 from harness import run_cli
 from rngcoord.server.coordinator import Coordinator
-from rngcoord.server.store import open_store
+from rngcoord.server.stores import open_store
 
 JOB = "cli-job"
 

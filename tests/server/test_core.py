@@ -29,10 +29,10 @@ from rngcoord.server.errors import (
     ResourceExhausted,
     StaleEpoch,
 )
-from rngcoord.server.names import MAX_OFFSET
 from rngcoord.server.sqlite import SqliteStore
 from rngcoord.server.store import Tx, to_db
 from rngcoord.server.verify import verify
+from rngcoord.v1.rules import MAX_OFFSET
 
 T = TypeVar("T")
 

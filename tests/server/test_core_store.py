@@ -12,7 +12,8 @@ import pytest
 from rngcoord.server.errors import Divergence, InvalidArgument, Unavailable
 from rngcoord.server.groupcommit import GroupCommitWriter
 from rngcoord.server.sqlite import SqliteStore, SqliteTx
-from rngcoord.server.store import Tx, from_db, open_store, split_sql, to_db
+from rngcoord.server.store import Tx, from_db, split_sql, to_db
+from rngcoord.server.stores import open_store
 
 
 def _insert_job(name: str, seed: int = 7) -> Callable[[Tx], str]:

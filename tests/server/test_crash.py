@@ -1,8 +1,8 @@
 """A coordinator SIGKILLed in the middle of a reservation storm loses nothing it answered.
 
 Client processes, each with several threads, reserve leases as fast as the server answers.
-The server is killed with SIGKILL while they run, then restarted on the same store. Invariants
-1 and 3 of the design: every lease a client received before the kill comes back identical,
+The server is killed with SIGKILL while they run, then restarted on the same store.
+docs/design.md §2.1 and §2.3: every lease a client received before the kill comes back identical,
 new grants continue exactly where the old ones end (no overlap), a new epoch starts past
 everything granted, and `rngcoord verify` passes. Runs once per store backend.
 """

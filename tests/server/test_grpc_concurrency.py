@@ -1,7 +1,7 @@
 """Concurrency and idempotency of Reserve on a live server, once per store backend.
 
 Ranks in threads of this process and in spawned processes form epochs together, then all of
-them reserve the same keys at the same time. Invariants 1 and 2 of the design: everyone gets
+them reserve the same keys at the same time. docs/design.md §2.1 and §2.2: everyone gets
 the same lease for a key, exactly one request allocates it, consecutive seqs are contiguous and
 never overlap, and replaying a request returns the same lease without a new grant.
 """

@@ -27,12 +27,14 @@ from rngcoord.client.errors import (
     InvalidRequest,
     JoinTimeoutError,
     NotFoundError,
+    NotMemberError,
     OffsetsExhausted,
     RNGCoordError,
     StaleEpochError,
 )
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
+from rngcoord.v1.status import error_info
 
 #: Where the client looks for the coordinator when neither ``targets`` nor RNGCOORD_ADDR say.
 DEFAULT_ADDR = "localhost:29520"
@@ -231,7 +233,7 @@ class CoordinatorClient:
                 if code not in _RETRIABLE or (
                     deadline_is_timeout and code is grpc.StatusCode.DEADLINE_EXCEEDED
                 ):
-                    raise _map_error(method, self._targets[index], code, e.details() or "") from e
+                    raise _map_error(method, self._targets[index], e) from e
                 last = e
             self._current = (index + 1) % len(self._targets)
             if self._current in tried and attempt < self.retries:
@@ -426,44 +428,76 @@ class CoordinatorClient:
         ]
 
 
-def _map_error(method: str, target: str, code: grpc.StatusCode, details: str) -> RNGCoordError:
-    """The client error for a non-retriable status of ``method`` at ``target``."""
+# What the caller should do, by the coordinator's ErrorReason; the class each reason raises.
+_HINTS: dict[str, tuple[type[RNGCoordError], str]] = {
+    "INVALID_FIELD": (InvalidRequest, ""),
+    "UNKNOWN_JOB": (NotFoundError, "check the job and group names (RNGCOORD_JOB)"),
+    "UNKNOWN_GROUP": (
+        NotFoundError,
+        "check the group name, and join the group first (install() joins lazily)",
+    ),
+    "UNKNOWN_EPOCH": (NotFoundError, "join the group for a current epoch"),
+    "STALE_EPOCH": (
+        StaleEpochError,
+        "the group's membership changed: call rngcoord.client.install() again on every rank",
+    ),
+    "NOT_MEMBER": (
+        NotMemberError,
+        "this process is not a member of the epoch: rejoin the group (install() again)",
+    ),
+    "DIVERGENCE": (
+        DivergenceError,
+        "every rank of a group must run the same random DTensor ops (names and global "
+        "shapes) in the same order: compare the ranks' code paths up to this point",
+    ),
+    "SEED_CONFLICT": (
+        FailedPreconditionError,
+        "pass the job's root seed, or none, to install(); or use a new job name",
+    ),
+    "WORLD_SIZE_MISMATCH": (
+        FailedPreconditionError,
+        "every rank of a group must join with the same world size",
+    ),
+    "SEQ_OUT_OF_ORDER": (FailedPreconditionError, "request leases in seq order"),
+    "RESTORE_CONFLICT": (
+        FailedPreconditionError,
+        "load the same checkpoint on every rank at the same point of its op sequence",
+    ),
+    "OFFSETS_EXHAUSTED": (OffsetsExhausted, "start a new job, or Restore to an earlier cursor"),
+    "JOIN_TIMEOUT": (
+        JoinTimeoutError,
+        "start every rank of the group, or raise the join timeout",
+    ),
+    "BAD_TOKEN": (AuthenticationError, "pass token= or set RNGCOORD_TOKEN to the job's token"),
+}
+
+
+def _map_error(method: str, target: str, error: grpc.RpcError) -> RNGCoordError:
+    """The client error for a non-retriable failure of ``method`` at ``target``, chosen by the
+    ErrorInfo reason the coordinator sent (the status code only when it sent none)."""
+    code: grpc.StatusCode = error.code()
+    details: str = error.details() or ""
+    info = error_info(error)
+    reason = info.reason if info is not None else None
+    metadata = info.metadata if info is not None else {}
     where = f"{method} at {target}"
-    name = code.name
-    if code is grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidRequest(f"{where} rejected the request: {details}", name)
-    if code is grpc.StatusCode.NOT_FOUND:
-        return NotFoundError(
-            f"{where}: {details}: check the job and group names, and join the group first "
-            "(install() joins lazily)",
-            name,
-        )
-    if code is grpc.StatusCode.FAILED_PRECONDITION:
-        if details.startswith("divergence"):
-            return DivergenceError(
-                f"{where}: {details}. Every rank of a group must run the same random DTensor "
-                "ops (names and global shapes) in the same order: compare the ranks' code "
-                "paths up to this point",
-                name,
-            )
-        if " is stale" in details:
-            return StaleEpochError(
-                f"{where}: {details}. The group's membership changed: call "
-                "rngcoord.client.install() again on every rank",
-                name,
-            )
-        return FailedPreconditionError(f"{where}: {details}", name)
-    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return OffsetsExhausted(f"{where}: {details}", name)
-    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-        return AuthenticationError(
-            f"{where}: {details}: pass token= or set RNGCOORD_TOKEN to the job's token", name
-        )
-    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-        return JoinTimeoutError(
-            f"{where}: {details}: start every rank of the group, or raise the join timeout",
-            name,
-        )
-    return RNGCoordError(
-        f"{where} failed with {name}: {details}; the coordinator's log has the details", name
-    )
+    found = _HINTS.get(reason or "")
+    if found is None:
+        cls = _BY_CODE.get(code, RNGCoordError)
+        message = f"{where} failed with {code.name}: {details}"
+    else:
+        cls, hint = found
+        message = f"{where}: {details}" + (f"; {hint}" if hint else "")
+    return cls(message, code.name, reason, metadata)
+
+
+# Statuses without an ErrorInfo of ours: the transport's, or another server's.
+_BY_CODE: dict[grpc.StatusCode, type[RNGCoordError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: OffsetsExhausted,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: JoinTimeoutError,
+}

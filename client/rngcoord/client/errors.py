@@ -1,11 +1,15 @@
 """The client's error hierarchy.
 
 Every error rngcoord's client raises derives from :class:`RNGCoordError`. Errors that answer
-a coordinator RPC carry the gRPC status name in ``code`` and the server's message inside their
-own; every message says what failed and what to do about it.
+a coordinator RPC carry the gRPC status name in ``code``, the ErrorInfo ``reason`` and
+``metadata`` the coordinator sent (coordinator.proto's ``ErrorReason`` documents them), and the
+server's message inside their own; every message says what failed and what to do about it.
+The class of an error comes from its reason, never from the message's text.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 
 class RNGCoordError(Exception):
@@ -15,12 +19,23 @@ class RNGCoordError(Exception):
         message: What failed, and what to do about it.
         code: The gRPC status name (``"FAILED_PRECONDITION"``...) when the error answers an
             RPC; ``None`` (the default) for errors raised by the client itself.
+        reason: The coordinator's ErrorReason name (``"STALE_EPOCH"``...), or ``None`` (the
+            default) when there is none.
+        metadata: The ErrorInfo metadata (``{"group": "tp", "epoch": "3"}``...). Default: empty.
     """
 
-    def __init__(self, message: str, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        code: str | None = None,
+        reason: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
+        self.reason = reason
+        self.metadata: Mapping[str, str] = dict(metadata or {})
 
 
 class CoordinatorUnavailable(RNGCoordError):
@@ -42,6 +57,10 @@ class FailedPreconditionError(RNGCoordError):
 
 class StaleEpochError(FailedPreconditionError):
     """This rank's epoch was fenced by a newer one: the group's membership changed."""
+
+
+class NotMemberError(FailedPreconditionError):
+    """This rank's (rank, member id) is not a member of the epoch it named."""
 
 
 class DivergenceError(FailedPreconditionError):

@@ -6,7 +6,7 @@ the epoch's start cursor) or where a Restore moved it::
 
     lease k covers [anchor_cursor + (k - anchor_seq) * L, ... + L)
 
-Where an op's offsets land depends on nothing else (invariant 6): the op's base is the
+Where an op's offsets land depends on nothing else (docs/design.md §2.6): the op's base is the
 cursor, and the cursor then moves on by the op's size, ``roundup4(global numel)``. Leases
 only authorise ranges: an op at cursor ``c`` of size ``n`` needs every lease overlapping
 ``[c, c + n)``, and an op bigger than a lease needs several consecutive ones.

@@ -9,7 +9,8 @@ threaded process group and the process's rank otherwise.
 
 The router subclasses PyTorch's ``OffsetBasedRNGTracker`` because DTensor's CUDA path asserts
 ``isinstance(_rng_tracker, OffsetBasedRNGTracker)``; like the trackers, it never runs the
-upstream ``__init__``.
+upstream ``__init__``. It knows the trackers only through :class:`RankTracker`, so it depends
+on no tracker module.
 """
 
 from __future__ import annotations
@@ -17,20 +18,37 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from typing import TYPE_CHECKING
+import types
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed.tensor._random as dtensor_random
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from rngcoord.client.errors import RNGCoordError
 
-if TYPE_CHECKING:
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
-    from rngcoord.client.tracker import RNGStateTracker
-
 _lock = threading.Lock()
+
+
+class RankTracker(Protocol):
+    """What the router needs of one rank's tracker (rngcoord.client.tracker implements it)."""
+
+    rank: int
+    """The global rank the tracker serves."""
+
+    distribute_region_enabled: bool
+
+    def region(
+        self, spec: DTensorSpec, generator: torch.Generator | None, caller: types.FrameType | None
+    ) -> contextlib.AbstractContextManager[None]:
+        """DTensor's ``_distribute_region``; ``caller`` is the frame of DTensor's code that
+        asked, from which the tracker reads the random op."""
+        ...
+
+    def hop_offsets(self, spec: DTensorSpec, caller: types.FrameType | None) -> tuple[int, int]:
+        """DTensor's ``_compute_rng_offsets`` (its CUDA ``run_dtensor_rng_op`` path)."""
+        ...
 
 
 class TrackerRouter(dtensor_random.OffsetBasedRNGTracker):
@@ -38,9 +56,9 @@ class TrackerRouter(dtensor_random.OffsetBasedRNGTracker):
 
     def __init__(self) -> None:
         # Upstream's __init__ is deliberately not called (see the module docstring).
-        self._trackers: dict[int, RNGStateTracker] = {}
+        self._trackers: dict[int, RankTracker] = {}
 
-    def tracker(self) -> RNGStateTracker:
+    def tracker(self) -> RankTracker:
         """The calling rank's tracker."""
         rank = dist.get_rank()
         tracker = self._trackers.get(rank)
@@ -53,7 +71,7 @@ class TrackerRouter(dtensor_random.OffsetBasedRNGTracker):
         return tracker
 
     @property
-    def trackers(self) -> dict[int, RNGStateTracker]:
+    def trackers(self) -> dict[int, RankTracker]:
         """The registered trackers by global rank (a copy)."""
         return dict(self._trackers)
 
@@ -68,13 +86,13 @@ class TrackerRouter(dtensor_random.OffsetBasedRNGTracker):
     def _distribute_region(  # type: ignore[override]
         self, spec: DTensorSpec, generator: torch.Generator | None = None
     ) -> contextlib.AbstractContextManager[None]:
-        return self.tracker()._region(spec, generator, sys._getframe(1))
+        return self.tracker().region(spec, generator, sys._getframe(1))
 
     def _compute_rng_offsets(self, spec: DTensorSpec) -> tuple[int, int]:
-        return self.tracker()._hop_offsets(spec, sys._getframe(1))
+        return self.tracker().hop_offsets(spec, sys._getframe(1))
 
 
-def register(tracker: RNGStateTracker) -> RNGStateTracker | None:
+def register(tracker: RankTracker) -> RankTracker | None:
     """Make ``tracker`` its rank's DTensor tracker; return the one it replaces, if any.
 
     :func:`rngcoord.client.install` registers the coordinator-backed tracker; a local
@@ -93,7 +111,7 @@ def register(tracker: RNGStateTracker) -> RNGStateTracker | None:
         return previous if previous is not tracker else None
 
 
-def unregister(tracker: RNGStateTracker) -> None:
+def unregister(tracker: RankTracker) -> None:
     """Remove ``tracker`` from the router; with no tracker left, DTensor gets none."""
     with _lock:
         router = dtensor_random._rng_tracker

@@ -346,9 +346,9 @@ class RNGStateTracker:
         Called by DTensor for every random op except CUDA ops without a generator. The
         stream advances when this is called, whatever happens in the region.
         """
-        return self._region(spec, generator, sys._getframe(1))
+        return self.region(spec, generator, sys._getframe(1))
 
-    def _region(
+    def region(
         self,
         spec: DTensorSpec,
         generator: torch.Generator | None,
@@ -377,9 +377,9 @@ class RNGStateTracker:
         """DTensor's CUDA path: account the op and set the device generator to
         ``(seed, base)``; ``run_dtensor_rng_op`` then runs the op at ``base + start`` and
         leaves the generator at ``base + end``. Returns ``(start, end)``."""
-        return self._hop_offsets(spec, sys._getframe(1))
+        return self.hop_offsets(spec, sys._getframe(1))
 
-    def _hop_offsets(self, spec: DTensorSpec, caller: types.FrameType | None) -> tuple[int, int]:
+    def hop_offsets(self, spec: DTensorSpec, caller: types.FrameType | None) -> tuple[int, int]:
         plan = self._plans.get(spec) or self._plan(spec)
         if plan.stream is None:
             raise RNGCoordError(f"rank {self.rank} is not part of the mesh of {spec}")

@@ -19,23 +19,19 @@ Names:
 - `member_id` identifies one process incarnation (a fresh id per restart, for example a
   UUID); it matches [A-Za-z0-9._:-]{1,128}.
 
-Errors (google.rpc status codes):
-- INVALID_ARGUMENT: a malformed field. The message names the field.
-- NOT_FOUND: an unknown job, group or epoch.
-- FAILED_PRECONDITION: a stale epoch (the message gives the current one), a divergence (the
-  message names the group, epoch, seq and the ranks that disagree), a job seed conflict, or
-  a world-size mismatch in a join.
-- RESOURCE_EXHAUSTED: the group's offset space is used up.
-- DEADLINE_EXCEEDED: a join barrier timed out; the message names the missing ranks.
-- UNAUTHENTICATED: a missing or wrong bearer token for the job.
-Stored state is never changed by a refused request, except that a divergence is recorded in
-the audit log.
+Errors: the gRPC rich error model. Every refusal carries a google.rpc.Status in the
+`grpc-status-details-bin` trailer whose details hold one google.rpc.ErrorInfo with
+`domain` "rngcoord.v1", `reason` the name of an ErrorReason value below, and `metadata`
+naming what was refused (group, epoch, seq, ranks...). Clients branch on `reason`, never on
+the message, which is for people and may change. Stored state is never changed by a refused
+request, except that a divergence is recorded in the audit log.
 """
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -46,6 +42,122 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _ErrorReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ERROR_REASON_UNSPECIFIED: _ErrorReason.ValueType  # 0
+    INVALID_FIELD: _ErrorReason.ValueType  # 1
+    """INVALID_ARGUMENT. A malformed field. metadata: field, value (its repr, truncated)."""
+    UNKNOWN_JOB: _ErrorReason.ValueType  # 2
+    """NOT_FOUND. metadata: job."""
+    UNKNOWN_GROUP: _ErrorReason.ValueType  # 3
+    """NOT_FOUND. metadata: job, group."""
+    UNKNOWN_EPOCH: _ErrorReason.ValueType  # 4
+    """NOT_FOUND. An epoch that never formed. metadata: job, group, epoch, current_epoch."""
+    STALE_EPOCH: _ErrorReason.ValueType  # 5
+    """FAILED_PRECONDITION. The epoch was fenced by a newer one: rejoin the group.
+    metadata: job, group, epoch, current_epoch.
+    """
+    NOT_MEMBER: _ErrorReason.ValueType  # 6
+    """FAILED_PRECONDITION. (rank, member_id) is not a member of the epoch: rejoin the group.
+    metadata: job, group, epoch, rank, member_id.
+    """
+    DIVERGENCE: _ErrorReason.ValueType  # 7
+    """FAILED_PRECONDITION. Ranks disagree about the sequence of random ops; the epoch refuses
+    leases from then on. metadata: job, group, epoch, seq, ranks (comma-separated).
+    """
+    SEED_CONFLICT: _ErrorReason.ValueType  # 8
+    """FAILED_PRECONDITION. A join asked for another root seed than the job's.
+    metadata: job, seed, requested_seed.
+    """
+    WORLD_SIZE_MISMATCH: _ErrorReason.ValueType  # 9
+    """FAILED_PRECONDITION. A join's world size differs from the waiting ranks'.
+    metadata: job, group, world_size, waiting_world_size, ranks.
+    """
+    SEQ_OUT_OF_ORDER: _ErrorReason.ValueType  # 10
+    """FAILED_PRECONDITION. Lease seq requested before seq - 1 was granted.
+    metadata: job, group, epoch, seq.
+    """
+    RESTORE_CONFLICT: _ErrorReason.ValueType  # 11
+    """FAILED_PRECONDITION. A Restore of a seq already granted, or restored to another cursor.
+    metadata: job, group, epoch, seq, cursor.
+    """
+    OFFSETS_EXHAUSTED: _ErrorReason.ValueType  # 12
+    """RESOURCE_EXHAUSTED. The group's offset space cannot hold the lease.
+    metadata: job, group, start, size.
+    """
+    JOIN_TIMEOUT: _ErrorReason.ValueType  # 13
+    """DEADLINE_EXCEEDED. A join barrier timed out. metadata: job, group, world_size, missing
+    (the ranks that never came, comma-separated, cut short past 16 with a count).
+    """
+    STORE_UNAVAILABLE: _ErrorReason.ValueType  # 14
+    """UNAVAILABLE. The store could not complete the operation; retry."""
+    BAD_TOKEN: _ErrorReason.ValueType  # 15
+    """UNAUTHENTICATED. A missing or wrong bearer token for the job. metadata: job."""
+    INTERNAL_ERROR: _ErrorReason.ValueType  # 16
+    """INTERNAL. A server bug; the server logged it. metadata: incident."""
+
+class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
+    """Why a request was refused: ErrorInfo.reason is one of these names. Each comment gives the
+    gRPC status code it comes with and the ErrorInfo.metadata keys it sets.
+    """
+
+ERROR_REASON_UNSPECIFIED: ErrorReason.ValueType  # 0
+INVALID_FIELD: ErrorReason.ValueType  # 1
+"""INVALID_ARGUMENT. A malformed field. metadata: field, value (its repr, truncated)."""
+UNKNOWN_JOB: ErrorReason.ValueType  # 2
+"""NOT_FOUND. metadata: job."""
+UNKNOWN_GROUP: ErrorReason.ValueType  # 3
+"""NOT_FOUND. metadata: job, group."""
+UNKNOWN_EPOCH: ErrorReason.ValueType  # 4
+"""NOT_FOUND. An epoch that never formed. metadata: job, group, epoch, current_epoch."""
+STALE_EPOCH: ErrorReason.ValueType  # 5
+"""FAILED_PRECONDITION. The epoch was fenced by a newer one: rejoin the group.
+metadata: job, group, epoch, current_epoch.
+"""
+NOT_MEMBER: ErrorReason.ValueType  # 6
+"""FAILED_PRECONDITION. (rank, member_id) is not a member of the epoch: rejoin the group.
+metadata: job, group, epoch, rank, member_id.
+"""
+DIVERGENCE: ErrorReason.ValueType  # 7
+"""FAILED_PRECONDITION. Ranks disagree about the sequence of random ops; the epoch refuses
+leases from then on. metadata: job, group, epoch, seq, ranks (comma-separated).
+"""
+SEED_CONFLICT: ErrorReason.ValueType  # 8
+"""FAILED_PRECONDITION. A join asked for another root seed than the job's.
+metadata: job, seed, requested_seed.
+"""
+WORLD_SIZE_MISMATCH: ErrorReason.ValueType  # 9
+"""FAILED_PRECONDITION. A join's world size differs from the waiting ranks'.
+metadata: job, group, world_size, waiting_world_size, ranks.
+"""
+SEQ_OUT_OF_ORDER: ErrorReason.ValueType  # 10
+"""FAILED_PRECONDITION. Lease seq requested before seq - 1 was granted.
+metadata: job, group, epoch, seq.
+"""
+RESTORE_CONFLICT: ErrorReason.ValueType  # 11
+"""FAILED_PRECONDITION. A Restore of a seq already granted, or restored to another cursor.
+metadata: job, group, epoch, seq, cursor.
+"""
+OFFSETS_EXHAUSTED: ErrorReason.ValueType  # 12
+"""RESOURCE_EXHAUSTED. The group's offset space cannot hold the lease.
+metadata: job, group, start, size.
+"""
+JOIN_TIMEOUT: ErrorReason.ValueType  # 13
+"""DEADLINE_EXCEEDED. A join barrier timed out. metadata: job, group, world_size, missing
+(the ranks that never came, comma-separated, cut short past 16 with a count).
+"""
+STORE_UNAVAILABLE: ErrorReason.ValueType  # 14
+"""UNAVAILABLE. The store could not complete the operation; retry."""
+BAD_TOKEN: ErrorReason.ValueType  # 15
+"""UNAUTHENTICATED. A missing or wrong bearer token for the job. metadata: job."""
+INTERNAL_ERROR: ErrorReason.ValueType  # 16
+"""INTERNAL. A server bug; the server logged it. metadata: incident."""
+Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
 @_typing.final
 class JoinGroupRequest(_message.Message):

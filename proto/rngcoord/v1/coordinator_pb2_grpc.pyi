@@ -19,17 +19,12 @@ Names:
 - `member_id` identifies one process incarnation (a fresh id per restart, for example a
   UUID); it matches [A-Za-z0-9._:-]{1,128}.
 
-Errors (google.rpc status codes):
-- INVALID_ARGUMENT: a malformed field. The message names the field.
-- NOT_FOUND: an unknown job, group or epoch.
-- FAILED_PRECONDITION: a stale epoch (the message gives the current one), a divergence (the
-  message names the group, epoch, seq and the ranks that disagree), a job seed conflict, or
-  a world-size mismatch in a join.
-- RESOURCE_EXHAUSTED: the group's offset space is used up.
-- DEADLINE_EXCEEDED: a join barrier timed out; the message names the missing ranks.
-- UNAUTHENTICATED: a missing or wrong bearer token for the job.
-Stored state is never changed by a refused request, except that a divergence is recorded in
-the audit log.
+Errors: the gRPC rich error model. Every refusal carries a google.rpc.Status in the
+`grpc-status-details-bin` trailer whose details hold one google.rpc.ErrorInfo with
+`domain` "rngcoord.v1", `reason` the name of an ErrorReason value below, and `metadata`
+naming what was refused (group, epoch, seq, ranks...). Clients branch on `reason`, never on
+the message, which is for people and may change. Stored state is never changed by a refused
+request, except that a divergence is recorded in the audit log.
 """
 
 from collections import abc as _abc

@@ -2,7 +2,8 @@
 
 The public names of the server side live here; the `rngcoord` command is
 `rngcoord.server.cli:main`. Nothing in this package imports torch, so the coordinator image
-stays small.
+stays small. The names load lazily, on first use, so that `rngcoord audit` or a store-only
+script does not pay for the gRPC server's imports.
 
 Example, an embedded coordinator on SQLite::
 
@@ -15,18 +16,42 @@ Example, an embedded coordinator on SQLite::
 
 from __future__ import annotations
 
-from rngcoord.server.app import RunningServer, TLSConfig, serve, start_server
-from rngcoord.server.coordinator import (
-    Coordinator,
-    GroupInfo,
-    JoinResult,
-    ReserveResult,
-    RestoreResult,
-)
-from rngcoord.server.errors import CoordinatorError
-from rngcoord.server.seeds import group_seed
-from rngcoord.server.store import Store, open_store
-from rngcoord.server.verify import VerifyReport, verify
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rngcoord.server.app import RunningServer, TLSConfig, serve, start_server
+    from rngcoord.server.coordinator import (
+        Coordinator,
+        GroupInfo,
+        JoinResult,
+        ReserveResult,
+        RestoreResult,
+    )
+    from rngcoord.server.errors import CoordinatorError
+    from rngcoord.server.seeds import group_seed
+    from rngcoord.server.store import Store
+    from rngcoord.server.stores import open_store
+    from rngcoord.server.verify import VerifyReport, verify
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "Coordinator": "coordinator",
+    "CoordinatorError": "errors",
+    "GroupInfo": "coordinator",
+    "JoinResult": "coordinator",
+    "ReserveResult": "coordinator",
+    "RestoreResult": "coordinator",
+    "RunningServer": "app",
+    "Store": "store",
+    "TLSConfig": "app",
+    "VerifyReport": "verify",
+    "group_seed": "seeds",
+    "open_store": "stores",
+    "serve": "app",
+    "start_server": "app",
+    "verify": "verify",
+}
 
 __all__ = [
     "Coordinator",
@@ -45,3 +70,16 @@ __all__ = [
     "start_server",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rngcoord.server' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"rngcoord.server.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -34,7 +34,8 @@ from rngcoord.server.coordinator import Coordinator
 from rngcoord.server.logs import configure, event, get_logger
 from rngcoord.server.metrics import Metrics
 from rngcoord.server.service import CoordinatorServicer
-from rngcoord.server.store import Store, open_store
+from rngcoord.server.store import Store
+from rngcoord.server.stores import open_store
 from rngcoord.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name

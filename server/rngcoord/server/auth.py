@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from rngcoord.server.errors import InvalidArgument
-from rngcoord.server.names import check_name
 from rngcoord.v1 import coordinator_pb2
+from rngcoord.v1.rules import RuleViolation, check_name
+from rngcoord.v1.status import rich_status
 
 if TYPE_CHECKING:
     _ServerInterceptor = grpc.ServerInterceptor[Any, Any]
@@ -55,8 +55,8 @@ def load_tokens(path: str | Path) -> dict[str, tuple[bytes, ...]]:
         if job != ADMIN:
             try:
                 check_name("job", job)
-            except InvalidArgument as exc:
-                raise ValueError(f"{path}:{lineno}: {exc.message}, nor '*'") from None
+            except RuleViolation as exc:
+                raise ValueError(f"{path}:{lineno}: {exc}, nor '*'") from None
         tokens.setdefault(job, []).append(token.encode("utf-8"))
     if not tokens:
         raise ValueError(f"token file {path} lists no tokens; every request would be refused")
@@ -141,7 +141,14 @@ class TokenAuthInterceptor(_ServerInterceptor):
             message = f"missing or wrong bearer token for job {job[:128]!r}"
         else:
             message = "missing or wrong bearer token: a request without a job needs the admin token"
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        context.abort_with_status(
+            rich_status(
+                grpc.StatusCode.UNAUTHENTICATED,
+                message,
+                coordinator_pb2.ErrorReason.Name(coordinator_pb2.BAD_TOKEN),
+                {"job": job[:128]},
+            )
+        )
 
 
 def _bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> bytes | None:

@@ -9,9 +9,10 @@ names one.
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -31,6 +32,10 @@ _MAX_COLUMN = 40
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:
+        # Every flag, --help included, belongs to the demo's own parser.
+        return _demo(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     command: Callable[[argparse.Namespace], int] = args.run
@@ -180,26 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="run a local tensor-parallel training demo against a fresh coordinator",
-        description="Start a coordinator and a small multi-process training job with dropout "
-        "on CPU, then show that the ranks agree.",
+        help="run a local elastic training demo against a fresh coordinator (needs the client "
+        "extra: torch)",
+        description="Runs rngcoord.client.demo; `rngcoord demo --help` lists its flags.",
     )
-    demo.add_argument(
-        "--workers",
-        type=_positive_int,
-        default=4,
-        metavar="N",
-        help="training processes (default 4)",
-    )
-    demo.add_argument(
-        "--steps", type=_positive_int, default=6, metavar="N", help="training steps (default 6)"
-    )
-    demo.add_argument(
-        "--keep-dir",
-        action="store_true",
-        help="keep the demo's working directory (database, logs) instead of deleting it",
-    )
-    demo.set_defaults(run=_demo)
+    # main() hands `demo ARGS...` to the demo before this parser sees them.
+    del demo
     return parser
 
 
@@ -230,7 +221,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _audit(args: argparse.Namespace) -> int:
     from rngcoord.server.coordinator import Coordinator
-    from rngcoord.server.store import open_store
+    from rngcoord.server.stores import open_store
 
     _require_existing(args.db)
     store = open_store(args.db)
@@ -254,7 +245,7 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from rngcoord.server.store import open_store
+    from rngcoord.server.stores import open_store
     from rngcoord.server.verify import verify
 
     _require_existing(args.db)
@@ -293,12 +284,22 @@ def _require_existing(db_url: str) -> None:
             raise FileNotFoundError(f"no database at {path} (from --db {db_url})")
 
 
-def _demo(args: argparse.Namespace) -> int:
-    # The demo launches torchrun jobs and orchestrates a whole scenario; loading it only when
-    # asked for keeps `serve` lean. It never imports torch itself: the workers do.
-    demo = importlib.import_module("rngcoord.server.demo")
-    status: int = demo.main(args)
-    return status
+def _demo(args: Sequence[str]) -> int:
+    # The demo trains with torch, which the server package never imports (the coordinator
+    # image has none): it lives in the client package, and runs in a process of its own.
+    missing = [
+        name for name in ("torch", "rngcoord.client") if importlib.util.find_spec(name) is None
+    ]
+    if missing:
+        print(
+            f"rngcoord demo: error: it needs the client extra ({', '.join(missing)} not "
+            "installed): pip install 'rngcoord[client]', or run `make demo` in a source checkout",
+            file=sys.stderr,
+        )
+        return 2
+    sys.stdout.flush()
+    cmd = [sys.executable, "-m", "rngcoord.client.demo", *args]
+    return subprocess.run(cmd, check=False).returncode
 
 
 def audit_json(rec: AuditRecord) -> dict[str, object]:
@@ -402,13 +403,6 @@ def _time_us(text: str) -> int:
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return round(when.timestamp() * 1_000_000)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _non_negative_int(text: str) -> int:

@@ -22,6 +22,7 @@ ranks from re-reading the store N times per join.)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -39,11 +40,16 @@ from rngcoord.server.errors import (
     InvalidArgument,
     JoinTimeout,
     NotFound,
+    NotMember,
     ResourceExhausted,
     StaleEpoch,
 )
-from rngcoord.server.names import (
+from rngcoord.server.seeds import draw_job_seed, group_seed
+from rngcoord.server.store import Store, Tx, from_db, row_reader, to_db
+from rngcoord.v1 import coordinator_pb2 as pb
+from rngcoord.v1.rules import (
     MAX_OFFSET,
+    RuleViolation,
     check_cursor,
     check_fingerprint,
     check_member_id,
@@ -54,8 +60,6 @@ from rngcoord.server.names import (
     check_u64,
     check_world_size,
 )
-from rngcoord.server.seeds import draw_job_seed, group_seed
-from rngcoord.server.store import Store, Tx, from_db, row_reader, to_db
 
 __all__ = [
     "Coordinator",
@@ -256,14 +260,28 @@ class _MembersCache:
 _members = _MembersCache(max_chars=_MEMBERS_CACHE_CHARS)
 
 
+@contextlib.contextmanager
+def _fields() -> Iterator[None]:
+    """Turn a broken contract rule (rngcoord.v1.rules) into the INVALID_ARGUMENT refusal."""
+    try:
+        yield
+    except RuleViolation as violation:
+        raise InvalidArgument.of(violation) from None
+
+
 def _has(members: tuple[str, ...], rank: int, member_id: str) -> bool:
     return rank < len(members) and members[rank] == member_id
 
 
-def _not_member(group: str, epoch: int, rank: int, member_id: str) -> FailedPrecondition:
-    return FailedPrecondition(
+def _not_member(job: str, group: str, epoch: int, rank: int, member_id: str) -> NotMember:
+    return NotMember(
         f"rank {rank} member {member_id!r} is not a member of epoch {epoch} of group "
-        f"{group!r}; rejoin the group"
+        f"{group!r}; rejoin the group",
+        job=job,
+        group=group,
+        epoch=epoch,
+        rank=rank,
+        member_id=member_id,
     )
 
 
@@ -273,6 +291,29 @@ def _ranks(ranks: Sequence[int]) -> str:
         return str(list(ranks))
     shown = ", ".join(str(r) for r in ranks[:_MAX_LISTED_RANKS])
     return f"[{shown}, ...] ({len(ranks)} ranks)"
+
+
+def _rank_list(ranks: Sequence[int]) -> str:
+    """A rank list for ErrorInfo metadata: "0,2,5", cut short past 16 as "0,...,15,+N"."""
+    shown = ",".join(str(r) for r in ranks[:_MAX_LISTED_RANKS])
+    extra = len(ranks) - _MAX_LISTED_RANKS
+    return f"{shown},+{extra}" if extra > 0 else shown
+
+
+def _diverged(job: str, group: str, epoch: int, stored: str) -> Divergence:
+    """The refusal of a Reserve in an epoch whose divergence was recorded as `stored`."""
+    try:
+        record = json.loads(stored)
+    except ValueError:  # a store written before divergences were recorded as JSON
+        record = {"message": stored}
+    return Divergence(
+        str(record["message"]),
+        job=job,
+        group=group,
+        epoch=epoch,
+        seq=record.get("seq", ""),
+        ranks=_rank_list(record.get("ranks", [])),
+    )
 
 
 def _job_seed(tx: Tx, job: str) -> int | None:
@@ -294,8 +335,15 @@ def _require_group(tx: Tx, job: str, group: str) -> _Group:
     if found is not None:
         return found
     if _job_seed(tx, job) is None:
-        raise NotFound(f"unknown job {job!r}: a JoinGroup creates it")
-    raise NotFound(f"unknown group {group!r} in job {job!r}: a JoinGroup creates it")
+        raise NotFound(
+            f"unknown job {job!r}: a JoinGroup creates it", reason=pb.UNKNOWN_JOB, job=job
+        )
+    raise NotFound(
+        f"unknown group {group!r} in job {job!r}: a JoinGroup creates it",
+        reason=pb.UNKNOWN_GROUP,
+        job=job,
+        group=group,
+    )
 
 
 def _epoch(tx: Tx, job: str, group: str, epoch: int) -> _Epoch:
@@ -315,14 +363,25 @@ def _epoch(tx: Tx, job: str, group: str, epoch: int) -> _Epoch:
     )
 
 
-def _check_epoch(current: int, group: str, epoch: int) -> None:
+def _check_epoch(current: int, job: str, group: str, epoch: int) -> None:
     """Fencing: only the group's current epoch is served."""
     if epoch == 0 or epoch > current:
-        raise NotFound(f"epoch {epoch} of group {group!r} does not exist (current {current})")
+        raise NotFound(
+            f"epoch {epoch} of group {group!r} does not exist (current {current})",
+            reason=pb.UNKNOWN_EPOCH,
+            job=job,
+            group=group,
+            epoch=epoch,
+            current_epoch=current,
+        )
     if epoch < current:
         raise StaleEpoch(
             f"epoch {epoch} of group {group!r} is stale: the current epoch is {current}; "
-            "rejoin the group"
+            "rejoin the group",
+            job=job,
+            group=group,
+            epoch=epoch,
+            current_epoch=current,
         )
 
 
@@ -331,10 +390,10 @@ def _member_epoch(
 ) -> tuple[_Group, _Epoch]:
     """The group and its current epoch `epoch`, of which (rank, member_id) must be a member."""
     g = _require_group(tx, job, group)
-    _check_epoch(g.epoch, group, epoch)
+    _check_epoch(g.epoch, job, group, epoch)
     e = _epoch(tx, job, group, epoch)
     if not e.has(rank, member_id):
-        raise _not_member(group, epoch, rank, member_id)
+        raise _not_member(job, group, epoch, rank, member_id)
     return g, e
 
 
@@ -431,17 +490,22 @@ class Coordinator:
                 group use another world size.
             JoinTimeout: the other ranks did not all join in time; names the missing ranks.
         """
-        check_name("job", job)
-        check_name("group", group)
-        check_world_size(world_size)
-        check_rank(rank, world_size)
-        check_member_id(member_id)
-        if job_seed is not None:
-            check_u64("job_seed", job_seed)
+        with _fields():
+            check_name("job", job)
+            check_name("group", group)
+            check_world_size(world_size)
+            check_rank(rank, world_size)
+            check_member_id(member_id)
+            if job_seed is not None:
+                check_u64("job_seed", job_seed)
         if timeout_s is None:
             timeout_s = self._join_timeout_s
         if not (math.isfinite(timeout_s) and timeout_s > 0):
-            raise InvalidArgument(f"invalid timeout {timeout_s!r}: it must be positive")
+            raise InvalidArgument(
+                f"invalid timeout {timeout_s!r}: it must be positive",
+                field="timeout_ms",
+                value=timeout_s,
+            )
 
         current = self._store.read(
             lambda tx: self._joined_current(tx, job, group, rank, world_size, member_id, job_seed)
@@ -476,13 +540,24 @@ class Coordinator:
         )
         if isinstance(final, JoinResult):
             return final
-        raise JoinTimeout(f"join of group {group!r} timed out after {timeout_s:g}s: {final}")
+        message, missing = final
+        raise JoinTimeout(
+            f"join of group {group!r} timed out after {timeout_s:g}s: {message}",
+            job=job,
+            group=group,
+            world_size=world_size,
+            missing=_rank_list(missing),
+        )
 
     @staticmethod
     def _check_job_seed(job: str, stored: int, asked: int | None) -> None:
         if asked is not None and asked != stored:
             raise FailedPrecondition(
-                f"job {job!r} has root seed {stored}; the request asked for {asked}"
+                f"job {job!r} has root seed {stored}; the request asked for {asked}",
+                reason=pb.SEED_CONFLICT,
+                job=job,
+                seed=stored,
+                requested_seed=asked,
             )
 
     def _joined_current(
@@ -577,11 +652,18 @@ class Coordinator:
         mismatched = [(int(r), int(ws)) for r, _, ws in others if int(ws) != world_size]
         if mismatched:
             sizes = sorted({ws for _, ws in mismatched})
+            waiting = [r for r, _ in mismatched]
             raise FailedPrecondition(
                 f"rank {rank} joined group {group!r} with world size {world_size}, but ranks "
-                f"{_ranks([r for r, _ in mismatched])} are waiting with world size "
+                f"{_ranks(waiting)} are waiting with world size "
                 f"{', '.join(map(str, sizes))}; every rank of a barrier must join with the "
-                "same world size"
+                "same world size",
+                reason=pb.WORLD_SIZE_MISMATCH,
+                job=job,
+                group=group,
+                world_size=world_size,
+                waiting_world_size=",".join(map(str, sizes)),
+                ranks=_rank_list(waiting),
             )
         # A new member id for a rank replaces the old one (a restarted process).
         tx.execute(
@@ -635,9 +717,9 @@ class Coordinator:
         base_epoch: int,
         timeout_s: float,
         actor: str,
-    ) -> JoinResult | str:
+    ) -> JoinResult | tuple[str, list[int]]:
         """Withdraw the caller's pending join; return the epoch if it formed after all, else
-        why the barrier did not complete.
+        why the barrier did not complete and the ranks that are missing.
 
         The caller's row is withdrawn by expiring it rather than deleting it: no barrier counts
         it any more (joins drop expired rows first), yet peers timing out at the same moment
@@ -648,14 +730,14 @@ class Coordinator:
             return formed
         g = _require_group(tx, job, group)
         if g.epoch > base_epoch:
-            return f"epoch {g.epoch} formed without rank {rank} member {member_id!r}; rejoin"
+            return f"epoch {g.epoch} formed without rank {rank} member {member_id!r}; rejoin", []
         pending = tx.fetchall(
             "SELECT rank, member_id, world_size FROM pending_joins WHERE job = ? AND grp = ?",
             (job, group),
         )
         holder = next((m for r, m, _ in pending if int(r) == rank), member_id)
         if holder != member_id:
-            return f"rank {rank} is now joining as member {holder!r}, not {member_id!r}"
+            return f"rank {rank} is now joining as member {holder!r}, not {member_id!r}", []
         present = {int(r) for r, _, ws in pending if int(ws) == world_size} | {rank}
         missing = [r for r in range(world_size) if r not in present]
         if any(int(r) == rank for r, _, _ in pending):
@@ -676,7 +758,7 @@ class Coordinator:
                     "timeout_s": timeout_s,
                 },
             )
-        return f"ranks {_ranks(missing)} of world size {world_size} did not join"
+        return f"ranks {_ranks(missing)} of world size {world_size} did not join", missing
 
     # -------------------------------------------------------------------------- reserve
 
@@ -717,14 +799,15 @@ class Coordinator:
             Divergence: the key was granted with another size or fingerprint, now or before.
             ResourceExhausted: the lease would end past 2^64 - 4.
         """
-        check_name("job", job)
-        check_name("group", group)
-        check_u64("epoch", epoch)
-        check_seq(seq)
-        check_size(size)
-        check_fingerprint(fingerprint)
-        check_rank(rank)
-        check_member_id(member_id)
+        with _fields():
+            check_name("job", job)
+            check_name("group", group)
+            check_u64("epoch", epoch)
+            check_seq(seq)
+            check_size(size)
+            check_fingerprint(fingerprint)
+            check_rank(rank)
+            check_member_id(member_id)
 
         row = self._read_row(_RESERVE_LOOKUP, (seq, job, group))
         if row is None:
@@ -733,13 +816,13 @@ class Coordinator:
             self._store.read(lambda tx: _require_group(tx, job, group))
         else:
             seed, current, members, diverged, start, end, granted_size, granted_fp = row
-            _check_epoch(current, group, epoch)
+            _check_epoch(current, job, group, epoch)
             if members is None:
                 raise RuntimeError(f"group {group!r} of job {job!r} lacks its epoch {epoch} row")
             if not _has(_members(members), rank, member_id):
-                raise _not_member(group, epoch, rank, member_id)
+                raise _not_member(job, group, epoch, rank, member_id)
             if diverged is not None:
-                raise Divergence(diverged)
+                raise _diverged(job, group, epoch, diverged)
             if start is not None and granted_size == to_db(size) and granted_fp == fingerprint:
                 return ReserveResult(
                     group, epoch, seq, from_db(seed), from_db(start), from_db(end), True
@@ -784,13 +867,13 @@ class Coordinator:
             last_id,
             last_hash,
         ) = row
-        _check_epoch(current, group, epoch)
+        _check_epoch(current, job, group, epoch)
         if members is None:
             raise RuntimeError(f"group {group!r} of job {job!r} lacks its epoch {epoch} row")
         if not _has(_members(members), rank, member_id):
-            raise _not_member(group, epoch, rank, member_id)
+            raise _not_member(job, group, epoch, rank, member_id)
         if diverged is not None:
-            raise Divergence(diverged)
+            raise _diverged(job, group, epoch, diverged)
         seed = from_db(seed_db)
         head = (int(last_id), str(last_hash))
         now = self._clock()
@@ -806,9 +889,11 @@ class Coordinator:
                 f"granted size={lease_size} fingerprint={lease_fp.hex()}; the ranks "
                 "disagree about the sequence of random ops"
             )
+            ranks = sorted({rank, int(granted_rank)})
+            record = {"message": message, "seq": seq, "ranks": ranks}
             tx.execute(
                 "UPDATE epochs SET diverged = ? WHERE job = ? AND grp = ? AND epoch = ?",
-                (message, job, group, epoch),
+                (json.dumps(record), job, group, epoch),
             )
             audit.append(
                 tx,
@@ -829,7 +914,7 @@ class Coordinator:
                 },
                 head=head,
             )
-            raise Divergence(message)
+            raise _diverged(job, group, epoch, json.dumps(record))
 
         if cursor is not None:
             start = from_db(cursor)
@@ -837,7 +922,12 @@ class Coordinator:
             start = from_db(epoch_start)
         elif previous_end is None:
             raise FailedPrecondition(
-                f"lease seq {seq} of group {group!r} epoch {epoch} requested before seq {seq - 1}"
+                f"lease seq {seq} of group {group!r} epoch {epoch} requested before seq {seq - 1}",
+                reason=pb.SEQ_OUT_OF_ORDER,
+                job=job,
+                group=group,
+                epoch=epoch,
+                seq=seq,
             )
         else:
             start = from_db(previous_end)
@@ -845,7 +935,11 @@ class Coordinator:
         if end > MAX_OFFSET:
             raise ResourceExhausted(
                 f"group {group!r} has used its offset space: lease of {size} at {start} would "
-                "pass 2^64; start a new job or Restore"
+                "pass 2^64; start a new job or Restore",
+                job=job,
+                group=group,
+                start=start,
+                size=size,
             )
         tx.execute(
             'INSERT INTO leases (job, grp, epoch, seq, start, "end", size, fingerprint, rank, '
@@ -911,24 +1005,22 @@ class Coordinator:
             InvalidArgument, NotFound, StaleEpoch: as for `reserve`.
             FailedPrecondition: another member holds that rank.
         """
-        check_name("job", job)
-        check_name("group", group)
-        check_u64("epoch", epoch)
-        check_rank(rank)
-        check_member_id(member_id)
+        with _fields():
+            check_name("job", job)
+            check_name("group", group)
+            check_u64("epoch", epoch)
+            check_rank(rank)
+            check_member_id(member_id)
 
         def slot(tx: Tx) -> _Epoch | None:
             """The epoch when the caller has to leave it, None when it has already left."""
             g = _require_group(tx, job, group)
-            _check_epoch(g.epoch, group, epoch)
+            _check_epoch(g.epoch, job, group, epoch)
             e = _epoch(tx, job, group, epoch)
             if rank < len(e.members) and e.members[rank] == "":
                 return None
             if not e.has(rank, member_id):
-                raise FailedPrecondition(
-                    f"rank {rank} member {member_id!r} is not a member of epoch {epoch} of "
-                    f"group {group!r}"
-                )
+                raise _not_member(job, group, epoch, rank, member_id)
             return e
 
         def leave_tx(tx: Tx) -> None:
@@ -962,8 +1054,9 @@ class Coordinator:
             InvalidArgument: a malformed name.
             NotFound: unknown job or group.
         """
-        check_name("job", job)
-        check_name("group", group)
+        with _fields():
+            check_name("job", job)
+            check_name("group", group)
 
         def read(tx: Tx) -> GroupInfo:
             g = _require_group(tx, job, group)
@@ -1015,16 +1108,18 @@ class Coordinator:
             FailedPrecondition: the caller is not a member, the seq is already granted, or
                 it was restored to another cursor.
         """
-        check_name("job", job)
-        check_name("group", group)
-        check_u64("epoch", epoch)
-        check_seq(seq)
-        check_cursor(cursor)
-        check_rank(rank)
-        check_member_id(member_id)
+        with _fields():
+            check_name("job", job)
+            check_name("group", group)
+            check_u64("epoch", epoch)
+            check_seq(seq)
+            check_cursor(cursor)
+            check_rank(rank)
+            check_member_id(member_id)
 
         def recorded(tx: Tx) -> _Group | None:
             """The group when the restore is new; None when it is recorded already."""
+            conflict = {"job": job, "group": group, "epoch": epoch, "seq": seq, "cursor": cursor}
             g, _ = _member_epoch(tx, job, group, epoch, rank, member_id)
             earlier = _restore_cursor(tx, job, group, epoch, seq)
             if earlier == cursor:
@@ -1032,12 +1127,16 @@ class Coordinator:
             if earlier is not None:
                 raise FailedPrecondition(
                     f"seq {seq} of group {group!r} epoch {epoch} was already restored to "
-                    f"cursor {earlier}, not {cursor}"
+                    f"cursor {earlier}, not {cursor}",
+                    reason=pb.RESTORE_CONFLICT,
+                    **conflict,
                 )
             if _lease(tx, job, group, epoch, seq) is not None:
                 raise FailedPrecondition(
                     f"lease {seq} of group {group!r} epoch {epoch} already granted: restore "
-                    "a seq that has not been reserved yet"
+                    "a seq that has not been reserved yet",
+                    reason=pb.RESTORE_CONFLICT,
+                    **conflict,
                 )
             return g
 
@@ -1096,12 +1195,17 @@ class Coordinator:
         Raises:
             InvalidArgument: a malformed name or a negative limit.
         """
-        if job:
-            check_name("job", job)
-        if group:
-            check_name("group", group)
+        with _fields():
+            if job:
+                check_name("job", job)
+            if group:
+                check_name("group", group)
         if limit < 0:
-            raise InvalidArgument(f"invalid limit {limit!r}: it must be 0 (no limit) or more")
+            raise InvalidArgument(
+                f"invalid limit {limit!r}: it must be 0 (no limit) or more",
+                field="limit",
+                value=limit,
+            )
         kinds = tuple(kinds)
         return self._audit_pages(job, group, kinds, since_us, until_us, limit)
 

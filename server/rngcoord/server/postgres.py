@@ -285,8 +285,8 @@ class PostgresStore:
             conn = psycopg.connect(
                 self._conninfo, autocommit=True, **self._connect_kwargs("rngcoord-writer")
             )
-            # A grant must be on stable storage before the reply leaves (invariant 3), whatever
-            # the server's default says.
+            # A grant must be on stable storage before the reply leaves (docs/design.md §2.3),
+            # whatever the server's default says.
             conn.execute("SET synchronous_commit TO on")
             conn.execute(f"SET idle_in_transaction_session_timeout TO '{_WRITER_IDLE_TIMEOUT}'")
             self._conn = conn

@@ -1,8 +1,9 @@
 """The gRPC servicer: translates rngcoord.v1 messages to Coordinator calls and back.
 
 It holds no domain logic. For every RPC it calls the transport-free `Coordinator`, turns a
-`CoordinatorError` into the gRPC status and message it carries, turns any other exception
-into INTERNAL (the traceback is logged under an incident id; the caller gets only the id),
+`CoordinatorError` into the rich status it carries (code, message, and an ErrorInfo with its
+reason and metadata), turns any other exception into INTERNAL (the traceback is logged under
+an incident id; the caller gets only the id),
 and counts the outcome in `Metrics`. Nothing is logged per request: the hot path (Reserve)
 does a few attribute lookups, one Coordinator call and one response message.
 """
@@ -24,6 +25,7 @@ from rngcoord.server.logs import event, get_logger
 from rngcoord.server.metrics import Metrics
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
+from rngcoord.v1.status import rich_status
 
 _log = get_logger("service")
 
@@ -200,7 +202,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if isinstance(exc, Divergence):
                 self._metrics.divergences.inc()
             self._metrics.error(exc.code)
-            context.abort(exc.code, exc.message)
+            context.abort_with_status(
+                rich_status(exc.code, exc.message, exc.reason_name, exc.metadata)
+            )
         incident = uuid.uuid4().hex[:12]
         # The caller gets the incident id only; the details may name internals or paths.
         event(
@@ -213,9 +217,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             peer=context.peer(),
         )
         self._metrics.error(grpc.StatusCode.INTERNAL)
-        context.abort(
-            grpc.StatusCode.INTERNAL,
-            f"internal error in {method}; the server logged it as incident {incident}",
+        context.abort_with_status(
+            rich_status(
+                grpc.StatusCode.INTERNAL,
+                f"internal error in {method}; the server logged it as incident {incident}",
+                pb.ErrorReason.Name(pb.INTERNAL_ERROR),
+                {"incident": incident},
+            )
         )
 
 

@@ -8,7 +8,8 @@
   columns as `v - 2**63`, which keeps their order.
 - `apply_migrations`: runs server/migrations/<folder>/NNN_*.sql in order inside a caller's
   transaction and records each in `schema_version`.
-- `open_store(url)`: picks the backend from the URL scheme.
+
+`rngcoord.server.stores.open_store(url)` picks the backend from a URL.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ __all__ = [
     "Tx",
     "apply_migrations",
     "from_db",
-    "open_store",
     "row_reader",
     "split_sql",
     "to_db",
@@ -112,31 +112,6 @@ def row_reader(store: Store) -> Callable[[str, Sequence[object]], tuple[Any, ...
         return store.read(lambda tx: tx.fetchone(sql, params))
 
     return read_row
-
-
-def open_store(url: str) -> Store:
-    """Open the store a URL names, applying pending schema migrations.
-
-    Args:
-        url: `sqlite:///PATH` (PATH relative to the working directory; `sqlite:////abs/path`
-            for an absolute one) or `postgresql://...` (a libpq connection URL).
-
-    Raises:
-        ValueError: the URL names no supported backend.
-    """
-    if url.startswith("sqlite:///"):
-        from rngcoord.server.sqlite import SqliteStore
-
-        return SqliteStore(url.removeprefix("sqlite:///"))
-    if url.startswith(("postgresql://", "postgres://")):
-        # Imported lazily: the SQLite-only deployment never needs psycopg.
-        from rngcoord.server.postgres import PostgresStore
-
-        store: Store = PostgresStore(url)
-        return store
-    raise ValueError(
-        f"unsupported store URL {url!r}: use sqlite:///PATH or postgresql://USER@HOST/DB"
-    )
 
 
 def split_sql(script: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""Offline verification of a store: the audit chain and invariant 1 (no offset reused).
+"""Offline verification of a store: the audit chain and docs/design.md §2.1 (no offset reused).
 
 `verify(store)` checks, against one snapshot of the chain's head:
 - every record's hash recomputes from its contents, each `prev_hash` is its predecessor's

@@ -1,7 +1,7 @@
 """`rngcoord demo`: an elastic tensor-parallel job on CPU, from a crash to a bitwise resume.
 
-The demo starts an embedded coordinator (in this process, on SQLite in a temporary directory)
-and runs examples/train_tp.py under torchelastic, three times:
+The demo starts a coordinator (`rngcoord serve`, on SQLite in a temporary directory) and runs
+examples/train_tp.py under torchelastic, three times:
 
 1. A rank crashes mid-run. torchelastic restarts every worker; the new workers join a new
    epoch of the group, which starts at the group's high-water mark, so they draw fresh numbers.
@@ -15,9 +15,14 @@ At the end it prints the audit table and the result of ``rngcoord verify`` (no o
 twice, except through the recorded Restore), then one PASS or FAIL line per check. It exits 0
 only if every check held.
 
-This process never imports torch, as nothing in the server package does: the training runs in
-``python -m torch.distributed.run`` subprocesses of this interpreter. tests/e2e/test_elastic.py
-drives the same functions against a coordinator subprocess.
+It drives the coordinator the way an operator does, through the `rngcoord` command in
+subprocesses, and talks to it over the gRPC contract (rngcoord.v1), so it imports nothing from
+the server package; the training runs in ``python -m torch.distributed.run`` subprocesses of
+this interpreter. It runs from a source checkout, where examples/ lives (or point
+RNGCOORD_EXAMPLES at that folder). tests/e2e/test_elastic.py drives the same functions against
+a coordinator subprocess.
+
+Run it with ``rngcoord demo`` or ``python -m rngcoord.client.demo`` (same flags).
 """
 
 from __future__ import annotations
@@ -40,13 +45,16 @@ from typing import IO, Any
 
 import grpc
 
-from rngcoord.server import cli
-from rngcoord.server.app import start_server
-from rngcoord.server.logs import configure
 from rngcoord.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "train_tp.py"
-"""The training script; the demo runs from a source checkout, as `make demo` does."""
+EXAMPLES_ENV = "RNGCOORD_EXAMPLES"
+"""Names the folder holding train_tp.py when the demo does not run from a source checkout."""
+
+CHECKOUT_EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+"""examples/ of the source checkout this module was installed from (pip install -e)."""
+
+SERVER_START_TIMEOUT_S = 60.0
+"""How long `rngcoord serve` may take to write its ready file."""
 
 JOB_TIMEOUT_S = 300.0
 """A torchrun launch that runs longer than this is killed and counts as failed."""
@@ -145,7 +153,7 @@ def torchrun_command(spec: JobSpec, workdir: Path) -> list[str]:
         "--rdzv-endpoint=127.0.0.1:0",
         f"--rdzv-id={spec.job}",
         "--max-restarts=1",
-        str(EXAMPLE),
+        str(example_script()),
         # CPU and gloo even on a GPU host: several ranks may share a host with one GPU.
         "--device=cpu",
         f"--steps={spec.steps}",
@@ -482,10 +490,135 @@ def last_checkpoint_before(fail_at_step: int, checkpoint_every: int) -> int:
     return (fail_at_step - 1) // checkpoint_every * checkpoint_every
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run the demo with the `rngcoord demo` options (workers, steps, keep_dir); exit status."""
+def example_script() -> Path:
+    """examples/train_tp.py: from RNGCOORD_EXAMPLES, else from this source checkout.
+
+    Raises:
+        FileNotFoundError: neither holds it; the message says what to do.
+    """
+    named = os.environ.get(EXAMPLES_ENV)
+    folder = Path(named) if named else CHECKOUT_EXAMPLES
+    script = folder / "train_tp.py"
+    if not script.is_file():
+        raise FileNotFoundError(
+            f"rngcoord demo runs examples/train_tp.py, which is not at {script}: run it from "
+            f"a source checkout (`make demo`), or set {EXAMPLES_ENV} to the examples folder"
+        )
+    return script
+
+
+def rngcoord(*args: str, output: IO[str] | None = None) -> int:
+    """Run the `rngcoord` command (this interpreter's) with `args`; return its exit status.
+
+    Its output goes to `output`, by default this process's stdout.
+    """
+    sys.stdout.flush()
+    cmd = [sys.executable, "-m", "rngcoord.server.cli", *args]
+    return subprocess.run(cmd, stdout=output, stderr=subprocess.STDOUT, check=False).returncode
+
+
+class Coordinator:
+    """`rngcoord serve` on 127.0.0.1 and a free port, as a context manager giving its address.
+
+    Args:
+        db_url: the store; the demo's is new, so the server creates it (--init).
+        workdir: where its ready file and log (coordinator.log) go.
+        tokens: a token file. Default None: no authentication.
+    """
+
+    def __init__(self, db_url: str, workdir: Path, *, tokens: Path | None = None) -> None:
+        self._cmd = [
+            sys.executable,
+            "-m",
+            "rngcoord.server.cli",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--db",
+            db_url,
+            "--metrics",
+            "off",
+            "--ready-file",
+            str(workdir / "coordinator.ready"),
+        ]
+        if tokens is not None:
+            self._cmd += ["--tokens", str(tokens)]
+        self._ready = workdir / "coordinator.ready"
+        self._log_path = workdir / "coordinator.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> str:
+        with self._log_path.open("wb") as log:
+            self._proc = subprocess.Popen(self._cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while not self._ready.exists():
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(
+                    f"rngcoord serve did not start; its log ({self._log_path}):\n"
+                    + self._log_path.read_text(errors="replace")[-4000:]
+                )
+            time.sleep(0.05)
+        return self._ready.read_text().strip()
+
+    def __exit__(self, *exc: object) -> None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's flags; `rngcoord demo` passes its arguments through to them."""
+    parser = argparse.ArgumentParser(
+        prog="rngcoord demo",
+        description="Start a coordinator and a small elastic tensor-parallel training job with "
+        "dropout on CPU; crash a rank, resume bitwise, and check what the ranks drew.",
+    )
+    parser.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=4,
+        metavar="N",
+        help="training processes (default 4)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=6,
+        metavar="N",
+        help="training steps, at least 2 (default 6)",
+    )
+    parser.add_argument(
+        "--keep-dir",
+        action="store_true",
+        help="keep the demo's working directory (database, logs) instead of deleting it",
+    )
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo; returns the exit status (0: every check held, 1: one failed, 2: cannot
+    run)."""
+    args = build_parser().parse_args(argv)
     if args.steps < 2:
         print("rngcoord demo: --steps must be at least 2 (a checkpoint, then a crash)")
+        return 2
+    try:
+        example_script()
+    except FileNotFoundError as exc:
+        print(f"rngcoord demo: error: {exc}", file=sys.stderr)
         return 2
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="rngcoord-demo-"))
@@ -522,30 +655,24 @@ class _Demo:
         tokens = self.workdir / "tokens"
         # One admin line: the token is valid for every job of the demo.
         tokens.write_text(f"* {self.token}\n")
-        with (self.workdir / "coordinator.log").open("w") as coordinator_log:
-            configure("INFO", coordinator_log)
-            server = start_server("127.0.0.1:0", self.db_url, tokens=tokens)
+        log = self.workdir / "coordinator.log"
+        with Coordinator(self.db_url, self.workdir, tokens=tokens) as address:
             print(
                 f"rngcoord demo: {self.workers} CPU ranks of examples/train_tp.py under "
                 f"torchelastic\n"
-                f"  coordinator  {server.address}, store {self.db_url}, bearer tokens on\n"
-                f"  logs         {self.workdir}/*/torchrun.log, {coordinator_log.name}"
+                f"  coordinator  {address}, store {self.db_url}, bearer tokens on\n"
+                f"  logs         {self.workdir}/*/torchrun.log, {log}"
             )
-            channel = grpc.insecure_channel(server.address)
-            try:
-                stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-                self._jobs(server.address, stub)
-            finally:
-                channel.close()
-                server.stop(grace_s=1.0)
+            with grpc.insecure_channel(address) as channel:
+                self._jobs(address, coordinator_pb2_grpc.CoordinatorStub(channel))
 
-            print(f"\n== 4. the audit log ($ rngcoord audit --db {self.db_url})")
-            cli.main(["audit", "--db", self.db_url])
-            print(f"\n== 5. $ rngcoord verify --db {self.db_url}")
-            status = cli.main(["verify", "--db", self.db_url])
-            self.checks.append(
-                Check("rngcoord verify", status == 0, f"exit status {status}, output above")
-            )
+        print(f"\n== 4. the audit log ($ rngcoord audit --db {self.db_url})")
+        rngcoord("audit", "--db", self.db_url)
+        print(f"\n== 5. $ rngcoord verify --db {self.db_url}")
+        status = rngcoord("verify", "--db", self.db_url)
+        self.checks.append(
+            Check("rngcoord verify", status == 0, f"exit status {status}, output above")
+        )
         return self.checks
 
     def _jobs(self, address: str, stub: coordinator_pb2_grpc.CoordinatorStub) -> None:
@@ -625,4 +752,8 @@ def _example_args(spec: JobSpec) -> list[str]:
         args.append(f"--fail-at-step {spec.fail_at_step} --fail-rank {spec.fail_rank}")
     if spec.resume:
         args.append("--resume")
-    return [EXAMPLE.relative_to(EXAMPLE.parent.parent).as_posix(), *args]
+    return ["examples/train_tp.py", *args]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

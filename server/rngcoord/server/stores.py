@@ -1,0 +1,37 @@
+"""Opening a store: the backend a store URL names.
+
+The backends (rngcoord.server.sqlite, rngcoord.server.postgres) implement the interface of
+rngcoord.server.store; this module is the one place that knows them all, so the interface
+module depends on none of them.
+"""
+
+from __future__ import annotations
+
+from rngcoord.server.store import Store
+
+__all__ = ["open_store"]
+
+
+def open_store(url: str) -> Store:
+    """Open the store a URL names, applying pending schema migrations.
+
+    Args:
+        url: `sqlite:///PATH` (PATH relative to the working directory; `sqlite:////abs/path`
+            for an absolute one) or `postgresql://...` (a libpq connection URL).
+
+    Raises:
+        ValueError: the URL names no supported backend.
+    """
+    if url.startswith("sqlite:///"):
+        from rngcoord.server.sqlite import SqliteStore
+
+        return SqliteStore(url.removeprefix("sqlite:///"))
+    if url.startswith(("postgresql://", "postgres://")):
+        # Imported lazily: the SQLite-only deployment never needs psycopg.
+        from rngcoord.server.postgres import PostgresStore
+
+        store: Store = PostgresStore(url)
+        return store
+    raise ValueError(
+        f"unsupported store URL {url!r}: use sqlite:///PATH or postgresql://USER@HOST/DB"
+    )

@@ -1,0 +1,80 @@
+"""The layering of docs/design.md §Shape, checked on the code: data flows proto → server and
+proto → client, the server never imports torch (the coordinator image has none), and the
+client never imports the server.
+
+Every module's import statements are read from its source (static: a function-level import
+counts too), and the server package is also imported in a fresh interpreter to see that torch
+stays out of sys.modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# root folder -> module prefixes its modules must never import
+FORBIDDEN = {
+    "proto": ("rngcoord.server", "rngcoord.client", "torch"),
+    "server": ("rngcoord.client", "torch"),
+    "client": ("rngcoord.server",),
+}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import (one import style: absolute)"
+            assert node.module is not None
+            found.add(node.module)
+    return found
+
+
+@pytest.mark.parametrize("root", sorted(FORBIDDEN))
+def test_imports_follow_the_layers(root: str) -> None:
+    files = sorted((ROOT / root).rglob("*.py"))
+    assert files, f"no modules under {root}/"
+    broken = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in files
+        for name in sorted(_imports(path))
+        if any(name == bad or name.startswith(bad + ".") for bad in FORBIDDEN[root])
+    ]
+    assert not broken, "\n".join(broken)
+
+
+def test_server_package_loads_without_torch() -> None:
+    modules = sorted(
+        "rngcoord.server." + p.stem
+        for p in (ROOT / "server" / "rngcoord" / "server").glob("*.py")
+        if p.stem != "__init__"
+    )
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "sys.exit('torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr or "importing rngcoord.server loaded torch"
+
+
+def test_server_public_names_load_lazily() -> None:
+    code = (
+        "import sys, rngcoord.server as server\n"
+        "assert 'grpc' not in sys.modules, 'the package imported grpc eagerly'\n"
+        "missing = [n for n in server.__all__ if getattr(server, n, None) is None]\n"
+        "assert not missing, missing\n"
+        "assert sorted(server.__all__) == sorted(server._EXPORTS)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
