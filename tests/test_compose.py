@@ -22,6 +22,8 @@ import pytest
 
 from test_server_image import COORDINATOR_DOCKERFILE, dockerfile_instructions
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 PROFILES = ((), ("cpu",), ("postgres",), ("cpu", "postgres"))

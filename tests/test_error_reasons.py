@@ -142,7 +142,10 @@ def test_stale_epoch_and_not_member(
     assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "STALE_EPOCH")
     assert meta == {"job": JOB, "group": "fenced", "epoch": "1", "current_epoch": "2"}
     error = _client(
-        lambda: client.reserve(JOB, "fenced", 1, 0, 64, b"a", 0, old[0]), StaleEpochError
+        lambda: client.reserve(
+            JOB, "fenced", epoch=1, seq=0, size=64, fingerprint=b"a", rank=0, member_id=old[0]
+        ),
+        StaleEpochError,
     )
     assert error.metadata["current_epoch"] == "2"
     code, reason, meta = _raw(
@@ -156,7 +159,12 @@ def test_stale_epoch_and_not_member(
         "rank": "0",
         "member_id": "intruder",
     }
-    _client(lambda: client.reserve(JOB, "fenced", 2, 0, 64, b"a", 0, "intruder"), NotMemberError)
+    _client(
+        lambda: client.reserve(
+            JOB, "fenced", epoch=2, seq=0, size=64, fingerprint=b"a", rank=0, member_id="intruder"
+        ),
+        NotMemberError,
+    )
 
 
 def test_divergence(stub: pb_grpc.CoordinatorStub, client: CoordinatorClient) -> None:
@@ -177,7 +185,17 @@ def test_divergence(stub: pb_grpc.CoordinatorStub, client: CoordinatorClient) ->
     assert meta == {"job": JOB, "group": "diverging", "epoch": "1", "seq": "0", "ranks": "0,1"}
     # Every later Reserve of the epoch is refused with the same reason and metadata.
     error = _client(
-        lambda: client.reserve(JOB, "diverging", 1, 1, 64, b"x", 0, members[0]), DivergenceError
+        lambda: client.reserve(
+            JOB,
+            "diverging",
+            epoch=1,
+            seq=1,
+            size=64,
+            fingerprint=b"x",
+            rank=0,
+            member_id=members[0],
+        ),
+        DivergenceError,
     )
     assert (error.reason, dict(error.metadata)) == ("DIVERGENCE", meta)
 
@@ -189,7 +207,9 @@ def test_seed_conflict_and_world_size_mismatch(
     job_seed = stub.GetGroup(pb.GetGroupRequest(job=JOB, group="seeded"), metadata=AUTH).job_seed
     wrong = (job_seed + 1) % 2**64
     error = _client(
-        lambda: client.join_group(JOB, "seeded", 0, 1, "m-seed", job_seed=wrong, timeout_s=5),
+        lambda: client.join_group(
+            JOB, "seeded", rank=0, world_size=1, member_id="m-seed", job_seed=wrong, timeout_s=5
+        ),
         FailedPreconditionError,
     )
     assert error.reason == "SEED_CONFLICT"
@@ -202,7 +222,9 @@ def test_seed_conflict_and_world_size_mismatch(
     )
     try:
         error = _client(
-            lambda: client.join_group(JOB, "sizes", 1, 3, "w1", timeout_s=5),
+            lambda: client.join_group(
+                JOB, "sizes", rank=1, world_size=3, member_id="w1", timeout_s=5
+            ),
             FailedPreconditionError,
         )
         assert error.reason == "WORLD_SIZE_MISMATCH"
@@ -222,7 +244,9 @@ def test_seq_out_of_order_and_offsets_exhausted(
 ) -> None:
     members = _formed(stub, "order")
     error = _client(
-        lambda: client.reserve(JOB, "order", 1, 3, 64, b"a", 0, members[0]),
+        lambda: client.reserve(
+            JOB, "order", epoch=1, seq=3, size=64, fingerprint=b"a", rank=0, member_id=members[0]
+        ),
         FailedPreconditionError,
     )
     assert (error.reason, dict(error.metadata)) == (
@@ -236,14 +260,22 @@ def test_seq_out_of_order_and_offsets_exhausted(
     )
     assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "OFFSETS_EXHAUSTED")
     assert meta == {"job": JOB, "group": "order", "start": str(huge), "size": "64"}
-    _client(lambda: client.reserve(JOB, "order", 1, 1, 64, b"a", 0, members[0]), OffsetsExhausted)
+    _client(
+        lambda: client.reserve(
+            JOB, "order", epoch=1, seq=1, size=64, fingerprint=b"a", rank=0, member_id=members[0]
+        ),
+        OffsetsExhausted,
+    )
 
 
 def test_restore_conflict(stub: pb_grpc.CoordinatorStub, client: CoordinatorClient) -> None:
     members = _formed(stub, "restored")
     stub.Reserve(_reserve("restored", members[0]), metadata=AUTH)
     error = _client(
-        lambda: client.restore(JOB, "restored", 1, 0, 0, 0, members[0]), FailedPreconditionError
+        lambda: client.restore(
+            JOB, "restored", epoch=1, seq=0, cursor=0, rank=0, member_id=members[0]
+        ),
+        FailedPreconditionError,
     )
     assert error.reason == "RESTORE_CONFLICT"
     assert error.metadata == {
@@ -257,7 +289,10 @@ def test_restore_conflict(stub: pb_grpc.CoordinatorStub, client: CoordinatorClie
 
 def test_join_timeout(client: CoordinatorClient) -> None:
     error = _client(
-        lambda: client.join_group(JOB, "alone", 0, 3, "a0", timeout_s=0.3), JoinTimeoutError
+        lambda: client.join_group(
+            JOB, "alone", rank=0, world_size=3, member_id="a0", timeout_s=0.3
+        ),
+        JoinTimeoutError,
     )
     assert error.code == "DEADLINE_EXCEEDED"
     assert (error.reason, dict(error.metadata)) == (

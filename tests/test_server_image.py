@@ -28,6 +28,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 COORDINATOR_DOCKERFILE = ROOT / "Dockerfile.coordinator"
 INSTALL_TIMEOUT_S = 240

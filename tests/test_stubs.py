@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -18,6 +20,7 @@ def _generate(out_dir: Path) -> list[Path]:
     return generated
 
 
+@pytest.mark.slow
 def test_stubs_regenerate_byte_identical(tmp_path: Path) -> None:
     generated = _generate(tmp_path)
     assert generated, "protoc produced no stubs"

@@ -1,5 +1,6 @@
-"""CoordinatorClient against real coordinators: failover, the errors of refused requests,
-bearer tokens and TLS."""
+"""CoordinatorClient: failover against real coordinators, the errors of refused requests,
+bearer tokens and TLS, bounded retries against closed ports, configuration from the
+environment."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import pytest
 from rngcoord.client import (
     AuthenticationError,
     CoordinatorClient,
+    CoordinatorUnavailable,
     FailedPreconditionError,
     InvalidRequest,
     JoinTimeoutError,
     NotFoundError,
+    connection,
 )
 
 
@@ -29,16 +32,25 @@ def _closed_port() -> str:
 
 def test_fails_over_to_the_next_target(coordinator: Any) -> None:
     with CoordinatorClient([_closed_port(), coordinator.address], backoff_s=0.01) as client:
-        joined = client.join_group("failover", "g", 0, 1, "m0", job_seed=9)
+        joined = client.join_group(
+            "failover", "g", rank=0, world_size=1, member_id="m0", job_seed=9
+        )
         assert (joined.epoch, joined.job_seed, joined.members) == (1, 9, ("m0",))
-        lease = client.reserve("failover", "g", 1, 0, 64, b"fp", 0, "m0")
+        lease = client.reserve(
+            "failover", "g", epoch=1, seq=0, size=64, fingerprint=b"fp", rank=0, member_id="m0"
+        )
         assert (lease.seq, lease.start, lease.end, lease.seed) == (0, 0, 64, joined.seed)
         assert not lease.existing
-        assert client.reserve("failover", "g", 1, 0, 64, b"fp", 0, "m0").existing
+        assert client.reserve(
+            "failover", "g", epoch=1, seq=0, size=64, fingerprint=b"fp", rank=0, member_id="m0"
+        ).existing
         info = client.get_group("failover", "g")
         assert (info.epoch, info.high_water, info.leases) == (1, 64, 1)
-        assert client.restore("failover", "g", 1, 1, 0, 0, "m0").cursor == 0
-        client.leave_group("failover", "g", 1, 0, "m0")
+        assert (
+            client.restore("failover", "g", epoch=1, seq=1, cursor=0, rank=0, member_id="m0").cursor
+            == 0
+        )
+        client.leave_group("failover", "g", epoch=1, rank=0, member_id="m0")
         assert client.get_group("failover", "g").members == ("",)
         kinds = [r.kind for r in client.list_audit(job="failover")]
         assert kinds[:3] == ["job", "group", "epoch"] and kinds[-1] == "leave"
@@ -49,14 +61,25 @@ def test_refusals_name_what_failed(coordinator: Any) -> None:
         with pytest.raises(NotFoundError, match="check the job and group names"):
             client.get_group("nosuchjob", "g")
         with pytest.raises(InvalidRequest, match="group"):
-            client.join_group("refusals", "bad name!", 0, 1, "m0")
-        client.join_group("refusals", "g", 0, 1, "m0", job_seed=1)
+            client.join_group("refusals", "bad name!", rank=0, world_size=1, member_id="m0")
+        client.join_group("refusals", "g", rank=0, world_size=1, member_id="m0", job_seed=1)
         with pytest.raises(FailedPreconditionError, match="root seed 1"):
-            client.join_group("refusals", "g2", 0, 1, "m0", job_seed=2)
+            client.join_group("refusals", "g2", rank=0, world_size=1, member_id="m0", job_seed=2)
         with pytest.raises(FailedPreconditionError, match="not a member"):
-            client.reserve("refusals", "g", 1, 0, 64, b"fp", 0, "intruder")
+            client.reserve(
+                "refusals",
+                "g",
+                epoch=1,
+                seq=0,
+                size=64,
+                fingerprint=b"fp",
+                rank=0,
+                member_id="intruder",
+            )
         with pytest.raises(JoinTimeoutError, match=r"\[1\]"):
-            client.join_group("refusals", "pair", 0, 2, "m0", timeout_s=0.3)
+            client.join_group(
+                "refusals", "pair", rank=0, world_size=2, member_id="m0", timeout_s=0.3
+            )
 
 
 def test_token_and_tls(coordinator_factory: Any, tmp_path: Path) -> None:
@@ -73,7 +96,7 @@ def test_token_and_tls(coordinator_factory: Any, tmp_path: Path) -> None:
         args=("--tokens", str(tokens), "--tls-cert", str(cert), "--tls-key", str(key))
     )
     with CoordinatorClient(server.address, token="s3cret", tls_ca=str(cert)) as client:
-        assert client.join_group("secure", "g", 0, 1, "m0").epoch == 1
+        assert client.join_group("secure", "g", rank=0, world_size=1, member_id="m0").epoch == 1
     with (
         CoordinatorClient(server.address, token="wrong", tls_ca=str(cert)) as client,
         pytest.raises(AuthenticationError, match="RNGCOORD_TOKEN"),
@@ -86,7 +109,9 @@ def test_joins_of_one_epoch_agree(coordinator: Any) -> None:
     with CoordinatorClient(coordinator.address) as client:
 
         def run(rank: int) -> None:
-            results[rank] = client.join_group("agree", "g", rank, 3, f"m{rank}", job_seed=4)
+            results[rank] = client.join_group(
+                "agree", "g", rank=rank, world_size=3, member_id=f"m{rank}", job_seed=4
+            )
 
         threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
         for t in threads:
@@ -94,3 +119,30 @@ def test_joins_of_one_epoch_agree(coordinator: Any) -> None:
         for t in threads:
             t.join()
     assert len({(r.epoch, r.seed, r.start, r.members) for r in results.values()}) == 1
+
+
+def test_unreachable_coordinator_gives_bounded_retries_and_advice() -> None:
+    targets = [_closed_port(), _closed_port()]
+    client = CoordinatorClient(targets, deadline_s=1.0, retries=3, backoff_s=0.01)
+    with client, pytest.raises(CoordinatorUnavailable) as raised:
+        client.get_group("job", "group")
+    message = str(raised.value)
+    assert f"[{targets[0]}, {targets[1]}] after 4 attempts" in message
+    assert "rngcoord serve" in message and "RNGCOORD_ADDR" in message
+
+
+def test_client_configuration_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RNGCOORD_ADDR", "a:1, b:2")
+    monkeypatch.setenv("RNGCOORD_TOKEN", "secret")
+    with CoordinatorClient() as client:
+        assert client.targets == ("a:1", "b:2")
+        assert client._metadata == (("authorization", "Bearer secret"),)
+    monkeypatch.delenv("RNGCOORD_ADDR")
+    monkeypatch.delenv("RNGCOORD_TOKEN")
+    with CoordinatorClient() as client:
+        assert client.targets == (connection.DEFAULT_ADDR,)
+        assert client._metadata == ()
+    with pytest.raises(InvalidRequest, match="RNGCOORD_ADDR"):
+        CoordinatorClient(" , ")
+    with pytest.raises(InvalidRequest, match="CA bundle"):
+        CoordinatorClient("a:1", tls_ca="/nonexistent/ca.pem")

@@ -12,10 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from programs import run_threads, start_gloo
 
 from rngcoord.client import CoordinatorClient
+
+pytestmark = pytest.mark.slow
 
 SEED = 20240611
 LEASE = 64  # offsets: most ops span or cross lease boundaries

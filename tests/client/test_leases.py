@@ -37,7 +37,9 @@ def join(client: CoordinatorClient, job: str, group: str, world: int) -> list[Jo
     results: list[JoinResult | None] = [None] * world
 
     def run(rank: int) -> None:
-        results[rank] = client.join_group(job, group, rank, world, f"m{rank}", job_seed=3)
+        results[rank] = client.join_group(
+            job, group, rank=rank, world_size=world, member_id=f"m{rank}", job_seed=3
+        )
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
     for t in threads:
@@ -53,7 +55,15 @@ def managers(
 ) -> list[LeaseManager]:
     joined = join(client, job, group, world)
     return [
-        LeaseManager(client, job, group, rank, f"m{rank}", joined[rank], lease)
+        LeaseManager(
+            client,
+            job,
+            group,
+            rank=rank,
+            member_id=f"m{rank}",
+            joined=joined[rank],
+            lease_size=lease,
+        )
         for rank in range(world)
     ]
 
@@ -159,13 +169,14 @@ def test_fenced_epoch_is_reported(client: CoordinatorClient) -> None:
     (old,) = managers(client, "fence", "g", 16, world=1)
     old.advance(8, b"a")
     # A new member set forms epoch 2; the old member's next lease is refused.
-    client.join_group("fence", "g", 0, 1, "new-member")
+    client.join_group("fence", "g", rank=0, world_size=1, member_id="new-member")
     with pytest.raises(StaleEpochError, match="install\\(\\) again"):
         for _ in range(10):
             old.advance(16, b"b")
     old.close(leave=False)
 
 
+@pytest.mark.slow
 def test_unreachable_coordinator_then_back(coordinator: Any) -> None:
     client = CoordinatorClient(coordinator.address, deadline_s=2.0, retries=4, backoff_s=0.1)
     (manager,) = managers(client, "down", "g", 64, world=1)

@@ -16,6 +16,8 @@ import pytest
 from harness import CoordinatorProcess, run_cli
 from rngcoord.client import demo
 
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
 WORKERS, STEPS = 4, 6
 SEED = 0x5EED_0F_E2E
 

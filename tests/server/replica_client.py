@@ -36,11 +36,20 @@ def run_member(
     """Join `group` as `rank`, then reserve leases until `stop` exists, printing each."""
     member_id = f"m{rank}-{uuid.uuid4().hex[:8]}"
     with CoordinatorClient(targets, deadline_s=5.0, retries=8, backoff_s=0.05) as client:
-        epoch = client.join_group(job, group, rank, world_size, member_id, timeout_s=60).epoch
+        epoch = client.join_group(
+            job, group, rank=rank, world_size=world_size, member_id=member_id, timeout_s=60
+        ).epoch
         seq = 0
         while not stop.exists():
             lease = client.reserve(
-                job, group, epoch, seq, lease_size(seq), FINGERPRINT, rank, member_id
+                job,
+                group,
+                epoch=epoch,
+                seq=seq,
+                size=lease_size(seq),
+                fingerprint=FINGERPRINT,
+                rank=rank,
+                member_id=member_id,
             )
             record = {
                 "group": group,

@@ -50,6 +50,7 @@ def test_audit_prints_a_table(filled: str) -> None:
     assert "start=0" in grant and "end=1024" in grant and "size=1024" in grant
 
 
+@pytest.mark.slow
 def test_audit_json_lines_and_filters(filled: str) -> None:
     result = run_cli("audit", "--db", filled, "--json")
     assert result.returncode == 0, result.stderr

@@ -17,10 +17,13 @@ from multiprocessing.sharedctypes import Synchronized
 from typing import NamedTuple
 
 import grpc
+import pytest
 
 from harness import CoordinatorFactory, run_cli
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
 
 JOB = "crash"
 CLIENT_PROCESSES = 2

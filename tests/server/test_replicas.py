@@ -19,10 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from replica_client import FINGERPRINT, lease_size
 
 from harness import CoordinatorProcess, run_cli
 from rngcoord.client import CoordinatorClient
+
+pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("replica_client.py")
 
@@ -156,12 +159,12 @@ def _check_read_back(target: str, chains: dict[str, list[dict[str, Any]]]) -> No
                 lease = client.reserve(
                     JOB,
                     r["group"],
-                    r["epoch"],
-                    r["seq"],
-                    lease_size(r["seq"]),
-                    FINGERPRINT,
-                    r["rank"],
-                    r["member_id"],
+                    epoch=r["epoch"],
+                    seq=r["seq"],
+                    size=lease_size(r["seq"]),
+                    fingerprint=FINGERPRINT,
+                    rank=r["rank"],
+                    member_id=r["member_id"],
                 )
                 assert (lease.seed, lease.start, lease.end, lease.existing) == (
                     r["seed"],

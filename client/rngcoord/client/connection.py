@@ -253,6 +253,7 @@ class CoordinatorClient:
         self,
         job: str,
         group: str,
+        *,
         rank: int,
         world_size: int,
         member_id: str,
@@ -298,6 +299,7 @@ class CoordinatorClient:
         self,
         job: str,
         group: str,
+        *,
         epoch: int,
         seq: int,
         size: int,
@@ -332,7 +334,7 @@ class CoordinatorClient:
             existing=reply.existing,
         )
 
-    def leave_group(self, job: str, group: str, epoch: int, rank: int, member_id: str) -> None:
+    def leave_group(self, job: str, group: str, *, epoch: int, rank: int, member_id: str) -> None:
         """Record that this member leaves ``group``'s epoch."""
         request = pb.LeaveGroupRequest(
             job=job, group=group, epoch=epoch, rank=rank, member_id=member_id
@@ -366,6 +368,7 @@ class CoordinatorClient:
         self,
         job: str,
         group: str,
+        *,
         epoch: int,
         seq: int,
         cursor: int,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from rngcoord.v1.rules import RuleViolation
+
 
 class RNGCoordError(Exception):
     """Root of the rngcoord client errors.
@@ -36,6 +38,14 @@ class RNGCoordError(Exception):
         self.code = code
         self.reason = reason
         self.metadata: Mapping[str, str] = dict(metadata or {})
+
+
+def refused(violation: RuleViolation) -> InvalidRequest:
+    """The client's refusal of a value that breaks one of the contract's rules, before any
+    request is sent (the coordinator would refuse it with reason INVALID_FIELD)."""
+    return InvalidRequest(
+        str(violation), reason="INVALID_FIELD", metadata={"field": violation.field}
+    )
 
 
 class CoordinatorUnavailable(RNGCoordError):

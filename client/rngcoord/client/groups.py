@@ -5,22 +5,21 @@ identified by its dimension names, its shape and the global ranks it holds in fl
 order; a rank joins the group with its position in that order as the group rank. Ranks
 outside a sub-mesh never join its group, so they hold none of its state.
 
-Names are readable where they can be and satisfy the coordinator's name rule
-(:data:`NAME_RE`), falling back to a digest when the readable form is too long or has other
-characters.
+Names are readable where they can be and satisfy the contract's name rule
+(:data:`rngcoord.v1.rules.NAME_PATTERN`), falling back to a digest when the readable form is
+too long or has other characters.
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
 
-#: The coordinator's rule for job and group names.
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@,\[\]-]{0,127}$")
+from rngcoord.v1.rules import NAME_PATTERN
+
 _MAX_NAME = 128
 _SHARED_PREFIX = "all@"
 
@@ -74,11 +73,11 @@ def group_name(dim_names: Sequence[str] | None, shape: Sequence[int], ranks: Seq
     names = list(dim_names) if dim_names else [f"d{i}" for i in range(len(shape))]
     dims = ",".join(f"{n}:{s}" for n, s in zip(names, shape, strict=True))
     readable = f"{dims}[{_ranks_text(ranks)}]"
-    if NAME_RE.match(readable):
+    if NAME_PATTERN.fullmatch(readable):
         return readable
     identity = repr((tuple(names), tuple(shape), tuple(ranks))).encode()
     digest = f"[sha:{hashlib.sha256(identity).hexdigest()[:16]}]"
-    prefix = dims if NAME_RE.match(dims + digest) else "mesh"
+    prefix = dims if NAME_PATTERN.fullmatch(dims + digest) else "mesh"
     return prefix + digest
 
 

@@ -15,9 +15,9 @@ from rngcoord.client import router
 from rngcoord.client.compat import check_torch
 from rngcoord.client.connection import CoordinatorClient
 from rngcoord.client.devices import device_handle, dispatchable_backend
-from rngcoord.client.errors import InvalidRequest, RNGCoordError
-from rngcoord.client.groups import NAME_RE
+from rngcoord.client.errors import InvalidRequest, RNGCoordError, refused
 from rngcoord.client.tracker import OffsetBasedRNGTracker
+from rngcoord.v1.rules import RuleViolation, check_name
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,10 @@ def install(
     job = job or os.environ.get("RNGCOORD_JOB") or None
     if job is None:
         raise InvalidRequest("install() needs a job name: pass job=... or set RNGCOORD_JOB")
-    if not NAME_RE.match(job):
-        raise InvalidRequest(f"job name {job!r} must match {NAME_RE.pattern}")
+    try:
+        check_name("job", job)
+    except RuleViolation as violation:
+        raise refused(violation) from None
     if not dist.is_initialized():
         raise InvalidRequest(
             "install() needs torch.distributed initialised: call rngcoord.client.init_mesh() "

@@ -43,9 +43,10 @@ from rngcoord.client.connection import CoordinatorClient, JoinResult, Lease
 from rngcoord.client.errors import (
     CoordinatorUnavailable,
     DivergenceError,
-    InvalidRequest,
     RNGCoordError,
+    refused,
 )
+from rngcoord.v1.rules import RuleViolation, check_cursor, check_size
 
 #: The fingerprint chain's value before any op.
 INITIAL_DIGEST = hashlib.sha256(b"rngcoord/v1/ops").digest()
@@ -80,8 +81,10 @@ class LeaseStats:
 
 def check_lease_size(lease_size: int) -> None:
     """Refuse a lease size the coordinator would refuse: a multiple of 4 in [4, 2^64)."""
-    if lease_size < 4 or lease_size % 4 or lease_size >= 1 << 64:
-        raise InvalidRequest(f"lease_size must be a multiple of 4 in [4, 2^64), got {lease_size}")
+    try:
+        check_size(lease_size, "lease_size")
+    except RuleViolation as violation:
+        raise refused(violation) from None
 
 
 class LeaseManager:
@@ -105,6 +108,7 @@ class LeaseManager:
         client: CoordinatorClient,
         job: str,
         group: str,
+        *,
         rank: int,
         member_id: str,
         joined: JoinResult,
@@ -279,12 +283,12 @@ class LeaseManager:
                 lease = self._client.reserve(
                     self.job,
                     self.group,
-                    self.epoch,
-                    request.seq,
-                    self.lease_size,
-                    request.fingerprint,
-                    self.rank,
-                    self.member_id,
+                    epoch=self.epoch,
+                    seq=request.seq,
+                    size=self.lease_size,
+                    fingerprint=request.fingerprint,
+                    rank=self.rank,
+                    member_id=self.member_id,
                 )
             except CoordinatorUnavailable as e:
                 request.future.set_exception(e)
@@ -317,13 +321,21 @@ class LeaseManager:
         the group that restores at the same point of its op sequence names the same seq, and
         the coordinator records it once (audited).
         """
-        if cursor % 4 or not 0 <= cursor <= (1 << 64) - 4:
-            raise InvalidRequest(f"cursor must be a multiple of 4 below 2^64, got {cursor}")
+        try:
+            check_cursor(cursor)
+        except RuleViolation as violation:
+            raise refused(violation) from None
         if self._fatal is not None:
             raise self._fatal
         seq = self._next_request
         self._client.restore(
-            self.job, self.group, self.epoch, seq, cursor, self.rank, self.member_id
+            self.job,
+            self.group,
+            epoch=self.epoch,
+            seq=seq,
+            cursor=cursor,
+            rank=self.rank,
+            member_id=self.member_id,
         )
         self._generation += 1
         self._anchor(seq, cursor, digest)
@@ -335,4 +347,6 @@ class LeaseManager:
             self._worker.join(timeout=self._client.deadline_s * (self._client.retries + 2))
             self._worker = None
         if leave:
-            self._client.leave_group(self.job, self.group, self.epoch, self.rank, self.member_id)
+            self._client.leave_group(
+                self.job, self.group, epoch=self.epoch, rank=self.rank, member_id=self.member_id
+            )

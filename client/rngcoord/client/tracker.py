@@ -623,9 +623,9 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         joined = self.client.join_group(
             self.job,
             group.name,
-            group.rank,
-            group.world_size,
-            self.member_id,
+            rank=group.rank,
+            world_size=group.world_size,
+            member_id=self.member_id,
             job_seed=self._job_seed,
             timeout_s=self.join_timeout_s,
         )
@@ -639,10 +639,10 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
             self.client,
             self.job,
             group.name,
-            group.rank,
-            self.member_id,
-            joined,
-            self.lease_size,
+            rank=group.rank,
+            member_id=self.member_id,
+            joined=joined,
+            lease_size=self.lease_size,
             resume=resume,
         )
         self._managers[group.name] = manager

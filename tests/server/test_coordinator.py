@@ -328,6 +328,7 @@ def test_repeated_join_returns_the_epoch_without_a_write(
     assert store.writes == writes
 
 
+@pytest.mark.slow
 def test_join_timeout_names_the_missing_ranks(coord: Coordinator, store: CountingStore) -> None:
     with ThreadPoolExecutor(1) as pool:
         patient = pool.submit(coord.join, JOB, "g", 1, 4, "m1", None, 2.0, "rank 1")
@@ -366,6 +367,7 @@ def test_world_size_mismatch_is_refused(coord: Coordinator) -> None:
     assert formed.members == ("m0", "m1")
 
 
+@pytest.mark.slow
 def test_a_new_member_id_replaces_a_pending_one(coord: Coordinator) -> None:
     with ThreadPoolExecutor(2) as pool:
         old = pool.submit(coord.join, JOB, "g", 0, 2, "old", None, 2.5, "rank 0")

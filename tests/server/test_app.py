@@ -177,6 +177,7 @@ def test_tls_and_mutual_tls(coordinator_factory: CoordinatorFactory, tmp_path: P
     assert _tls_call(mtls, with_cert) == 1
 
 
+@pytest.mark.slow
 def test_sigterm_lets_in_flight_rpcs_finish_then_exits_0(
     coordinator: CoordinatorProcess,
 ) -> None:

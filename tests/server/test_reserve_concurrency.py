@@ -13,6 +13,7 @@ import multiprocessing
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import pytest
 
 from harness import CoordinatorFactory, join_all
 from rngcoord.v1 import coordinator_pb2 as pb
@@ -85,6 +86,7 @@ def run_rank(address: str, rank: int) -> dict[str, list[Seen]]:
         return seen
 
 
+@pytest.mark.slow
 def test_ranks_in_threads_and_processes_get_identical_contiguous_leases(
     store_url: str, coordinator_factory: CoordinatorFactory
 ) -> None:

@@ -15,7 +15,10 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+import pytest
 from programs import run_threads
+
+pytestmark = pytest.mark.slow
 
 ROOT_SEED = 424242
 GROUP = "dp:2,tp:2[0-3]"

@@ -14,9 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from programs import run_threads, start_gloo, wait_file
 
 from rngcoord.client import CoordinatorClient
+
+pytestmark = pytest.mark.slow
 
 OP = 16  # offsets per op: rand((16,))
 LEASE = 64
