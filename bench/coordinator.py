@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import asyncio
 import contextlib
 import json
 import multiprocessing
@@ -54,7 +55,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import grpc
 
-from rngcoord.server.app import redact_url
+from rngcoord.server.addresses import redact_url
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -343,10 +344,12 @@ class NoopCoordinator(pb_grpc.CoordinatorServicer):
     Restore = pb_grpc.CoordinatorServicer.Restore
     ListAudit = pb_grpc.CoordinatorServicer.ListAudit
 
-    def JoinGroup(self, request: pb.JoinGroupRequest, context: object) -> pb.JoinGroupResponse:
-        return pb.JoinGroupResponse(epoch=1, seed=1, start=0, job_seed=1, members=["bench"])
+    async def JoinGroup(
+        self, request: pb.JoinGroupRequest, context: object
+    ) -> pb.JoinGroupResponse:
+        return pb.JoinGroupResponse(epoch=1, seed=1, start=0, job_seed=1, world_size=1)
 
-    def Reserve(self, request: pb.ReserveRequest, context: object) -> pb.ReserveResponse:
+    async def Reserve(self, request: pb.ReserveRequest, context: object) -> pb.ReserveResponse:
         lease = pb.Lease(
             group=request.group,
             epoch=request.epoch,
@@ -359,17 +362,17 @@ class NoopCoordinator(pb_grpc.CoordinatorServicer):
 
 
 def serve_noop(listen: str, ready_file: str) -> int:
-    """Run NoopCoordinator with the coordinator's thread pool until terminated."""
-    from concurrent.futures import ThreadPoolExecutor
+    """Run NoopCoordinator on a grpc.aio server, as the coordinator runs, until terminated."""
 
-    from rngcoord.server.app import WORKERS
+    async def main() -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_CoordinatorServicer_to_server(NoopCoordinator(), server)
+        port = server.add_insecure_port(listen)
+        await server.start()
+        Path(ready_file).write_text(f"127.0.0.1:{port}")
+        await server.wait_for_termination()
 
-    server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS))
-    pb_grpc.add_CoordinatorServicer_to_server(NoopCoordinator(), server)
-    port = server.add_insecure_port(listen)
-    server.start()
-    Path(ready_file).write_text(f"127.0.0.1:{port}")
-    server.wait_for_termination()
+    asyncio.run(main())
     return 0
 
 

@@ -12,25 +12,38 @@ The fixtures that use these live in conftest.py.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import heapq
 import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rngcoord.server.coordinator import Coordinator
+from rngcoord.server.sqlite import SqliteStore
+from rngcoord.server.store import Tx
 from rngcoord.v1 import coordinator_pb2, coordinator_pb2_grpc
+from rngcoord.v1.types import AuditRecord, JoinResult, Lease
+
+T = TypeVar("T")
+
+TEST_JOB = "job-1"
+"""The job the in-process helpers (`form`, `reserve`, `join`) use unless told otherwise."""
 
 POSTGRES_ENV = "RNGCOORD_TEST_POSTGRES"
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -61,7 +74,7 @@ class CoordinatorProcess:
         start_timeout_s: how long `start()` waits for the ready file. Default 30.
 
     Attributes: `address` ("127.0.0.1:PORT", set once started), `port`, `db_url`, `popen`.
-    The server runs with `--metrics off` unless `args` passes `--metrics`.
+    The server runs with `--metrics off` and `--workers 1` unless `args` passes them.
     """
 
     def __init__(
@@ -120,6 +133,9 @@ class CoordinatorProcess:
         ]
         if "--metrics" not in self.args:
             cmd += ["--metrics", "off"]
+        if "--workers" not in self.args:
+            # One process unless a test asks for more: tests of several workers say so.
+            cmd += ["--workers", "1"]
         cmd += self.args
         with self.log_path.open("wb") as log:
             self.popen = subprocess.Popen(
@@ -243,7 +259,8 @@ def join_all(
 ) -> list[coordinator_pb2.JoinGroupResponse]:
     """Join every rank of `group` at once (one thread per rank); return the replies by rank.
 
-    Member ids are `m<rank>-<random>`; the replies' `members` field lists them. `metadata` goes
+    Member ids are `m<rank>-<random>`; the replies' `members` field lists them (the requests
+    set `include_members`). `metadata` goes
     with every call (a bearer token).
     """
     suffix = uuid.uuid4().hex[:8]
@@ -257,6 +274,7 @@ def join_all(
             member_id=f"m{rank}-{suffix}",
             job_seed=job_seed,
             timeout_ms=timeout_ms,
+            include_members=True,
         )
         response: coordinator_pb2.JoinGroupResponse = stub.JoinGroup(
             request, timeout=timeout_ms / 1000 + 10, metadata=metadata
@@ -341,3 +359,214 @@ class PostgresDatabases:
 CoordinatorFactory = Callable[..., CoordinatorProcess]
 """What the `coordinator_factory` fixture gives: `(db_url=None, *, args=(), env=None)` to a
 started `CoordinatorProcess`."""
+
+
+class LoopThread:
+    """An asyncio event loop running in a background thread, so that synchronous tests can
+    call the asynchronous Coordinator: `loop.run(coordinator.reserve(...))`.
+
+    Objects that belong to a loop (the Coordinator, its futures) must be made on this one:
+    build them inside a coroutine passed to `run`.
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
+        """Run `coro` on the loop and return its result (or raise its exception)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def start(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start `coro` on the loop without waiting; the future gives its outcome."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+
+class ManualClock:
+    """A `rngcoord.server.clock.Clock` whose time moves only when `advance` is awaited, so that
+    timeout tests never sleep.
+
+    Args:
+        now_s: the starting time, Unix seconds. Default 1.7e9.
+    """
+
+    def __init__(self, now_s: float = 1.7e9) -> None:
+        self._now = now_s
+        self._timers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._count = 0
+
+    def now_us(self) -> int:
+        return int(self._now * 1_000_000)
+
+    def monotonic(self) -> float:
+        return self._now
+
+    async def wait(self, future: asyncio.Future[object], timeout_s: float) -> bool:
+        if future.done() or timeout_s <= 0:
+            return future.done()
+        alarm: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._count += 1
+        heapq.heappush(self._timers, (self._now + timeout_s, self._count, alarm))
+        await asyncio.wait((future, alarm), return_when=asyncio.FIRST_COMPLETED)
+        return future.done()
+
+    async def advance(self, seconds: float) -> None:
+        """Move time on by `seconds`, fire every wait that expires, and let the woken tasks run
+        until they wait again."""
+        self._now += seconds
+        while self._timers and self._timers[0][0] <= self._now:
+            _, _, alarm = heapq.heappop(self._timers)
+            if not alarm.done():
+                alarm.set_result(None)
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+
+
+async def gather_list(items: AsyncIterator[T]) -> list[T]:
+    """Every item of an async iterator, as a list."""
+    return [item async for item in items]
+
+
+class CountingStore:
+    """The real SqliteStore, counting the writes that go through it."""
+
+    def __init__(self, inner: SqliteStore) -> None:
+        self.inner = inner
+        self.dialect = inner.dialect
+        self.writes = 0
+
+    def read(self, fn: Callable[[Tx], T]) -> T:
+        return self.inner.read(fn)
+
+    def write(self, fn: Callable[[Tx], T]) -> T:
+        self.writes += 1
+        return self.inner.write(fn)
+
+    def submit(self, fn: Callable[[Tx], T]) -> Future[T]:
+        self.writes += 1
+        return self.inner.submit(fn)
+
+    def data_version(self) -> int:
+        return self.inner.data_version()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class InProcess:
+    """An asynchronous Coordinator on `store` in `loop`, driven from the test's thread (its
+    clock is `clock`)."""
+
+    def __init__(self, loop: LoopThread, store: CountingStore, clock: ManualClock) -> None:
+        self.loop = loop
+        self.store = store
+        self.clock = clock
+
+        async def make() -> Coordinator:
+            coordinator = Coordinator(store, join_timeout_s=10.0, clock=clock)
+            await coordinator.start()
+            return coordinator
+
+        self.coord = loop.run(make())
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.loop.run(coro)
+
+    def start(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return self.loop.start(coro)
+
+    def advance(self, seconds: float) -> None:
+        self.run(self.clock.advance(seconds))
+
+    def close(self) -> None:
+        self.run(self.coord.close())
+
+
+def records(h: InProcess, kind: str) -> list[AuditRecord]:
+    return h.run(gather_list(h.coord.list_audit(kinds=[kind])))
+
+
+def form(
+    h: InProcess,
+    group: str = "g",
+    members: Sequence[str] = ("m0", "m1"),
+    *,
+    job: str = TEST_JOB,
+    job_seed: int | None = 42,
+) -> JoinResult:
+    """Join every rank at once and return the common result."""
+
+    async def all_ranks() -> list[JoinResult]:
+        return await asyncio.gather(
+            *(
+                h.coord.join(
+                    job,
+                    group,
+                    rank=rank,
+                    world_size=len(members),
+                    member_id=m,
+                    job_seed=job_seed,
+                    actor=f"rank {rank}",
+                )
+                for rank, m in enumerate(members)
+            )
+        )
+
+    results = h.run(all_ranks())
+    assert all(r == results[0] for r in results)
+    return results[0]
+
+
+def reserve(
+    h: InProcess,
+    seq: int,
+    *,
+    size: int = 64,
+    fp: bytes = b"ops",
+    rank: int = 0,
+    member: str = "m0",
+    epoch: int = 1,
+    group: str = "g",
+) -> Lease:
+    return h.run(
+        h.coord.reserve(
+            TEST_JOB,
+            group,
+            epoch=epoch,
+            seq=seq,
+            size=size,
+            fingerprint=fp,
+            rank=rank,
+            member_id=member,
+            actor=f"rank {rank}",
+        )
+    )
+
+
+def join(
+    h: InProcess,
+    rank: int,
+    world_size: int,
+    member: str,
+    *,
+    timeout_s: float = 10.0,
+    group: str = "g",
+    job: str = TEST_JOB,
+    job_seed: int | None = None,
+) -> Coroutine[Any, Any, JoinResult]:
+    return h.coord.join(
+        job,
+        group,
+        rank=rank,
+        world_size=world_size,
+        member_id=member,
+        job_seed=job_seed,
+        timeout_s=timeout_s,
+        actor=f"rank {rank}",
+    )

@@ -22,6 +22,7 @@ from rngcoord.client import (
     NotFoundError,
     connection,
 )
+from rngcoord.v1.types import members_digest
 
 
 def _closed_port() -> str:
@@ -33,9 +34,10 @@ def _closed_port() -> str:
 def test_fails_over_to_the_next_target(coordinator: Any) -> None:
     with CoordinatorClient([_closed_port(), coordinator.address], backoff_s=0.01) as client:
         joined = client.join_group(
-            "failover", "g", rank=0, world_size=1, member_id="m0", job_seed=9
+            "failover", "g", rank=0, world_size=1, member_id="m0", job_seed=9, include_members=True
         )
         assert (joined.epoch, joined.job_seed, joined.members) == (1, 9, ("m0",))
+        assert joined.members_digest == members_digest([(0, "m0")])
         lease = client.reserve(
             "failover", "g", epoch=1, seq=0, size=64, fingerprint=b"fp", rank=0, member_id="m0"
         )

@@ -8,7 +8,6 @@ no torch.distributed is needed.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import threading
 import time
@@ -24,8 +23,8 @@ from rngcoord.client import (
     LeaseManager,
     StaleEpochError,
 )
-from rngcoord.client.connection import JoinResult
 from rngcoord.client.leases import FINGERPRINT_BYTES, INITIAL_DIGEST
+from rngcoord.v1.types import JoinResult
 
 # (op key, size in offsets): sizes below, at, and well above the lease sizes used.
 OPS = [(b"rand(3, 5)", 16), (b"randn(8,)", 8), (b"dropout(40,)", 40), (b"uniform_(200,)", 200)]
@@ -135,7 +134,7 @@ def test_placement_and_requests_are_deterministic(client: CoordinatorClient, lea
     for manager in ranks:
         wait_until(settled(manager))
     grants = client.list_audit(job="leases", group=group, kinds=["grant"])
-    details = sorted((json.loads(g.detail) for g in grants), key=lambda d: d["seq"])
+    details = sorted((g.detail for g in grants), key=lambda d: d["seq"])
     assert [d["seq"] for d in details] == list(expected)
     assert [(d["start"], d["end"]) for d in details] == [
         (s * lease, (s + 1) * lease) for s in expected
@@ -158,7 +157,7 @@ def test_restore_moves_the_next_lease(client: CoordinatorClient) -> None:
     assert [m.advance(100, b"rand(100,)") for m in ranks] == [148, 148]
     restores = client.list_audit(job="restore", kinds=["restore"])
     assert len(restores) == 1
-    assert json.loads(restores[0].detail)["cursor"] == 128
+    assert restores[0].detail["cursor"] == 128
     with pytest.raises(InvalidRequest, match="multiple of 4"):
         ranks[0].restore(130, digest)
     for m in ranks:

@@ -117,6 +117,7 @@ class Ref:
             "world_size": 1,
             "member_id": "joiner",
             "timeout_ms": 2000,
+            "include_members": True,
         }
         base.update(fields)
         return pb.JoinGroupRequest(**base)
@@ -161,7 +162,7 @@ def test_bad_job_and_group_names_are_invalid_argument(ref: Ref) -> None:
         ref.expect(INVALID, "Reserve", ref.reserve_request(**{field: name}), field)
         ref.expect(INVALID, "Restore", ref.restore_request(**{field: name}), field)
         ref.expect(INVALID, "LeaveGroup", ref.leave_request(**{field: name}), field)
-        get = {"job": JOB, "group": GROUP, field: name}
+        get: dict[str, Any] = {"job": JOB, "group": GROUP, field: name}
         ref.expect(INVALID, "GetGroup", pb.GetGroupRequest(**get), field)
 
     check()
@@ -248,7 +249,7 @@ def test_unknown_jobs_groups_and_future_epochs_are_not_found(ref: Ref) -> None:
         ref.expect(NOT_FOUND, "Reserve", ref.reserve_request(**{field: name}))
         ref.expect(NOT_FOUND, "Restore", ref.restore_request(**{field: name}))
         ref.expect(NOT_FOUND, "LeaveGroup", ref.leave_request(**{field: name}))
-        get = {"job": JOB, "group": GROUP, field: name}
+        get: dict[str, Any] = {"job": JOB, "group": GROUP, field: name}
         ref.expect(NOT_FOUND, "GetGroup", pb.GetGroupRequest(**get))
         ref.expect(NOT_FOUND, "Reserve", ref.reserve_request(epoch=epoch), str(epoch))
 

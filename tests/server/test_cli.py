@@ -10,32 +10,47 @@ import itertools
 import json
 import socket
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from harness import run_cli
-from rngcoord.server.coordinator import Coordinator
-from rngcoord.server.stores import open_store
+from harness import CountingStore, InProcess, LoopThread, ManualClock, form, run_cli
+from rngcoord.server.sqlite import SqliteStore
 
 JOB = "cli-job"
 
 
 @pytest.fixture
-def filled(tmp_path: Path) -> str:
+def filled(tmp_path: Path) -> Iterator[str]:
     """A SQLite store with 2 groups: 1 job + 2 group + 2 epoch + 5 grant + 1 restore records."""
     url = f"sqlite:///{tmp_path / 'filled.db'}"
-    store = open_store(url)
+    loop = LoopThread()
+    store = CountingStore(SqliteStore(tmp_path / "filled.db"))
+    h = InProcess(loop, store, ManualClock())
     try:
-        coordinator = Coordinator(store)
         for group, leases in (("tp", 3), ("dp", 2)):
-            coordinator.join(JOB, group, 0, 1, "m0", 7, None, "test")
+            form(h, group, ("m0",), job=JOB, job_seed=7)
             for seq in range(leases):
-                coordinator.reserve(JOB, group, 1, seq, 1024, b"fp", 0, "m0", "test")
-        coordinator.restore(JOB, "tp", 1, 3, 0, 0, "m0", "test")
+                h.run(
+                    h.coord.reserve(
+                        JOB,
+                        group,
+                        epoch=1,
+                        seq=seq,
+                        size=1024,
+                        fingerprint=b"fp",
+                        rank=0,
+                        member_id="m0",
+                        actor="test",
+                    )
+                )
+        h.run(h.coord.restore(JOB, "tp", epoch=1, seq=3, cursor=0, rank=0, member_id="m0"))
     finally:
+        h.close()
         store.close()
-    return url
+        loop.close()
+    yield url
 
 
 def test_audit_prints_a_table(filled: str) -> None:

@@ -6,6 +6,7 @@ fresh database from the `postgres_url_factory` fixture (tests/conftest.py).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -19,12 +20,13 @@ from urllib.parse import urlsplit
 import psycopg
 import pytest
 
-from harness import DEFAULT_POSTGRES, POSTGRES_ENV
-from rngcoord.server.coordinator import Coordinator, ReserveResult
+from harness import DEFAULT_POSTGRES, POSTGRES_ENV, LoopThread, gather_list
+from rngcoord.server.coordinator import Coordinator
 from rngcoord.server.errors import StaleEpoch, Unavailable
 from rngcoord.server.postgres import PostgresStore, convert_placeholders
 from rngcoord.server.store import Tx
 from rngcoord.server.verify import verify
+from rngcoord.v1.types import JoinResult, Lease
 
 ADMIN_URL = os.environ.get(POSTGRES_ENV) or DEFAULT_POSTGRES
 JOB = "job"
@@ -126,35 +128,77 @@ def test_concurrent_opens_migrate_once(db_url: str) -> None:
         assert head == [(1, 0)]
 
 
+@pytest.fixture
+def loop() -> Iterator[LoopThread]:
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+def _replicas(loop: LoopThread, stores: list[PostgresStore]) -> list[Coordinator]:
+    """Coordinators on `stores`, started on `loop`: each one a replica's."""
+
+    async def start() -> list[Coordinator]:
+        made = [Coordinator(store, join_timeout_s=30) for store in stores]
+        for coordinator in made:
+            await coordinator.start()
+        return made
+
+    return loop.run(start())
+
+
+def _close(loop: LoopThread, replicas: list[Coordinator]) -> None:
+    async def close() -> None:
+        for coordinator in replicas:
+            await coordinator.close()
+
+    loop.run(close())
+
+
 def test_two_replicas_serve_one_group_without_overlap(
-    open_stores: Callable[..., PostgresStore],
+    open_stores: Callable[..., PostgresStore], loop: LoopThread
 ) -> None:
-    replicas = [Coordinator(open_stores(), join_timeout_s=30), Coordinator(open_stores())]
+    replicas = _replicas(loop, [open_stores(), open_stores()])
     groups = ["g0", "g1", "g2"]
     seqs = 25
 
     # Rank r of every group joins through replica r; the barrier spans both replicas.
-    def join(group: str, rank: int) -> tuple[int, tuple[str, ...]]:
-        result = replicas[rank].join(JOB, group, rank, 2, f"m{rank}", 42, 30.0, f"rank {rank}")
-        return result.epoch, result.members
+    async def join_all() -> list[JoinResult]:
+        return await asyncio.gather(
+            *(
+                replicas[rank].join(
+                    JOB, group, rank=rank, world_size=2, member_id=f"m{rank}", job_seed=42
+                )
+                for group in groups
+                for rank in (0, 1)
+            )
+        )
 
-    with ThreadPoolExecutor(2 * len(groups)) as pool:
-        joined = list(pool.map(join, [g for g in groups for _ in (0, 1)], [0, 1] * len(groups)))
-    assert joined == [(1, ("m0", "m1"))] * (2 * len(groups))
+    joined = loop.run(join_all())
+    assert {(r.epoch, r.world_size) for r in joined} == {(1, 2)}
 
     # Both ranks of every group ask for every lease, each through its own replica, at once.
-    def ask_all(group: str, rank: int) -> list[ReserveResult]:
+    async def ask_all(group: str, rank: int) -> list[Lease]:
         return [
-            replicas[rank].reserve(
-                JOB, group, 1, seq, _size(seq), FINGERPRINT, rank, f"m{rank}", f"rank {rank}"
+            await replicas[rank].reserve(
+                JOB,
+                group,
+                epoch=1,
+                seq=seq,
+                size=_size(seq),
+                fingerprint=FINGERPRINT,
+                rank=rank,
+                member_id=f"m{rank}",
             )
             for seq in range(seqs)
         ]
 
-    with ThreadPoolExecutor(2 * len(groups)) as pool:
-        futures = {(g, r): pool.submit(ask_all, g, r) for g in groups for r in (0, 1)}
-        leases = {key: future.result() for key, future in futures.items()}
+    async def everyone() -> dict[tuple[str, int], list[Lease]]:
+        keys = [(g, r) for g in groups for r in (0, 1)]
+        results = await asyncio.gather(*(ask_all(g, r) for g, r in keys))
+        return dict(zip(keys, results, strict=True))
 
+    leases = loop.run(everyone())
     for group in groups:
         rank0, rank1 = leases[group, 0], leases[group, 1]
         # Agreement: both ranks got the same ranges, whichever replica granted them.
@@ -170,64 +214,92 @@ def test_two_replicas_serve_one_group_without_overlap(
             expected_start = lease.end
         # Exactly one of the two requests of each seq granted it; the other read it back.
         assert all(a.existing != b.existing for a, b in zip(rank0, rank1, strict=True))
+    _close(loop, replicas)
     report = verify(open_stores())
     assert report.ok, report.problems
     assert report.grants == len(groups) * seqs
 
 
-def test_fencing_holds_across_replicas(open_stores: Callable[..., PostgresStore]) -> None:
+def test_fencing_holds_across_replicas(
+    open_stores: Callable[..., PostgresStore], loop: LoopThread
+) -> None:
     # An old member keeps reserving through replica A while a replacement forms a new epoch
-    # through replica B. Once fenced, A must refuse; the new epoch must start above every
-    # lease the old one got.
-    a, b = Coordinator(open_stores()), Coordinator(open_stores())
-    a.join(JOB, "g", 0, 1, "old", 42, 10.0, "old")
-    granted: list[ReserveResult] = []
-    fenced = threading.Event()
-    refusal: list[StaleEpoch] = []
+    # through replica B. Once fenced, A must refuse, hits and grants alike, whatever A's cache
+    # holds; the new epoch must start above every lease the old one got.
+    a, b = _replicas(loop, [open_stores(), open_stores()])
+    loop.run(a.join(JOB, "g", rank=0, world_size=1, member_id="old", job_seed=42))
 
-    def old_member() -> None:
-        seq = 0
-        while True:
-            try:
-                granted.append(a.reserve(JOB, "g", 1, seq, 64, FINGERPRINT, 0, "old", "old"))
-            except StaleEpoch as exc:
-                refusal.append(exc)
-                return
-            seq += 1
-            if seq == 5:
-                fenced.set()
+    def reserve(coordinator: Coordinator, member: str, epoch: int, seq: int) -> Lease:
+        return loop.run(
+            coordinator.reserve(
+                JOB,
+                "g",
+                epoch=epoch,
+                seq=seq,
+                size=64,
+                fingerprint=FINGERPRINT,
+                rank=0,
+                member_id=member,
+            )
+        )
 
-    worker = threading.Thread(target=old_member)
-    worker.start()
-    assert fenced.wait(30)
-    new = b.join(JOB, "g", 0, 1, "new", 42, 10.0, "new")
-    worker.join(30)
-    assert not worker.is_alive()
-
+    granted = [reserve(a, "old", 1, seq) for seq in range(5)]
+    assert reserve(a, "old", 1, 4).existing  # a hit, answered from A's memory
+    new = loop.run(b.join(JOB, "g", rank=0, world_size=1, member_id="new", job_seed=42))
     assert new.epoch == 2
-    assert refusal and "the current epoch is 2" in refusal[0].message
+    # A grant through A consults the store at once.
+    with pytest.raises(StaleEpoch, match="the current epoch is 2"):
+        reserve(a, "old", 1, 5)
+    # A hit through A is refused too once A's feed has seen the epoch (LISTEN/NOTIFY, or the
+    # poll within the staleness bound).
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            reserve(a, "old", 1, 4)
+        except StaleEpoch:
+            break
+        assert time.monotonic() < deadline, "replica A kept answering hits of a stale epoch"
+        time.sleep(0.01)
     assert new.start == max(lease.end for lease in granted)
-    first = b.reserve(JOB, "g", 2, 0, 64, FINGERPRINT, 0, "new", "new")
+    first = reserve(b, "new", 2, 0)
     assert first.start == new.start
+    _close(loop, [a, b])
     report = verify(open_stores())
     assert report.ok, report.problems
 
 
 def test_idempotent_hits_are_readable_from_either_replica(
-    open_stores: Callable[..., PostgresStore],
+    open_stores: Callable[..., PostgresStore], loop: LoopThread
 ) -> None:
-    a, b = Coordinator(open_stores()), Coordinator(open_stores())
-    a.join(JOB, "g", 0, 1, "m0", 42, 10.0, "m0")
-    grants = [a.reserve(JOB, "g", 1, seq, 128, FINGERPRINT, 0, "m0", "m0") for seq in range(3)]
+    a, b = _replicas(loop, [open_stores(), open_stores()])
+    loop.run(a.join(JOB, "g", rank=0, world_size=1, member_id="m0", job_seed=42))
+
+    def reserve(coordinator: Coordinator, seq: int) -> Lease:
+        return loop.run(
+            coordinator.reserve(
+                JOB,
+                "g",
+                epoch=1,
+                seq=seq,
+                size=128,
+                fingerprint=FINGERPRINT,
+                rank=0,
+                member_id="m0",
+            )
+        )
+
+    grants = [reserve(a, seq) for seq in range(3)]
     for replica in (a, b):
-        hits = [replica.reserve(JOB, "g", 1, s, 128, FINGERPRINT, 0, "m0", "m0") for s in range(3)]
+        hits = [reserve(replica, seq) for seq in range(3)]
         assert [(h.start, h.end, h.seed) for h in hits] == [
             (g.start, g.end, g.seed) for g in grants
         ]
         assert all(h.existing for h in hits)
-    assert a.get_group(JOB, "g") == b.get_group(JOB, "g")
+    assert loop.run(a.get_group(JOB, "g")) == loop.run(b.get_group(JOB, "g"))
     # The hits wrote nothing: one job, one group, one epoch and three grants.
-    assert [r.kind for r in b.list_audit(job=JOB)] == ["job", "group", "epoch"] + ["grant"] * 3
+    kinds = [r.kind for r in loop.run(gather_list(b.list_audit(job=JOB)))]
+    assert kinds == ["job", "group", "epoch"] + ["grant"] * 3
+    _close(loop, [a, b])
 
 
 def _wait_until_blocked_on_a_lock(conn: psycopg.Connection[Any], timeout_s: float = 30) -> None:
@@ -295,24 +367,37 @@ def test_serialization_failure_is_retried(
 
 
 def test_serializable_replicas_grant_correctly_under_contention(
-    open_stores: Callable[..., PostgresStore],
+    open_stores: Callable[..., PostgresStore], loop: LoopThread
 ) -> None:
     # Two SERIALIZABLE replicas (as on CockroachDB) conflict on every concurrent batch; the
     # retries must hide that from callers.
-    replicas = [Coordinator(open_stores(isolation="serializable", max_attempts=8)) for _ in (0, 1)]
+    replicas = _replicas(
+        loop, [open_stores(isolation="serializable", max_attempts=8) for _ in (0, 1)]
+    )
 
-    def run(index: int) -> list[ReserveResult]:
+    async def run(index: int) -> list[Lease]:
         replica, group = replicas[index % 2], f"g{index}"
-        replica.join(JOB, group, 0, 1, "m0", 42, 10.0, "m0")
+        await replica.join(JOB, group, rank=0, world_size=1, member_id="m0", job_seed=42)
         return [
-            replica.reserve(JOB, group, 1, seq, _size(seq), FINGERPRINT, 0, "m0", "m0")
+            await replica.reserve(
+                JOB,
+                group,
+                epoch=1,
+                seq=seq,
+                size=_size(seq),
+                fingerprint=FINGERPRINT,
+                rank=0,
+                member_id="m0",
+            )
             for seq in range(10)
         ]
 
-    with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(run, range(4)))
-    for leases in results:
+    async def four() -> list[list[Lease]]:
+        return await asyncio.gather(*(run(i) for i in range(4)))
+
+    for leases in loop.run(four()):
         assert [lease.start for lease in leases[1:]] == [lease.end for lease in leases[:-1]]
+    _close(loop, replicas)
     report = verify(open_stores())
     assert report.ok, report.problems
     assert report.grants == 40

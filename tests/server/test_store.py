@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -118,9 +119,43 @@ def test_migrations_apply_once(tmp_path: Path) -> None:
     SqliteStore(path).close()
     store = SqliteStore(path)
     rows = store.read(lambda tx: tx.fetchall("SELECT version, name FROM schema_version"))
-    assert rows == [(1, "001_initial")]
+    assert rows == [(1, "001_initial"), (2, "002_members_by_rank")]
     head = store.read(lambda tx: tx.fetchone("SELECT last_id, last_hash FROM audit_head"))
     assert head == (0, "0" * 64)
+    store.close()
+
+
+def test_a_version_1_store_keeps_its_members_and_barriers(tmp_path: Path) -> None:
+    # A store written by the first schema: members as a JSON list ("" for a rank that left)
+    # and two ranks waiting in a barrier of another group.
+    path = tmp_path / "v1.db"
+    script = (resources.files("rngcoord.server") / "migrations/sqlite/001_initial.sql").read_text()
+    with sqlite3.connect(path) as conn:
+        conn.executescript(script)
+        conn.execute(
+            "CREATE TABLE schema_version (version BIGINT NOT NULL PRIMARY KEY, "
+            "name TEXT NOT NULL, applied_us BIGINT NOT NULL)"
+        )
+        conn.execute("INSERT INTO schema_version VALUES (1, '001_initial', 0)")
+        conn.execute("INSERT INTO jobs VALUES ('j', 0, 0)")
+        conn.execute("INSERT INTO groups VALUES ('j', 'g', 0, 1, 0)")
+        conn.execute("INSERT INTO groups VALUES ('j', 'h', 0, 0, 0)")
+        conn.execute("INSERT INTO epochs VALUES ('j', 'g', 1, 3, 0, '[\"a\",\"\",\"c\"]', NULL, 5)")
+        for rank in (0, 2):
+            conn.execute(
+                "INSERT INTO pending_joins VALUES ('j', 'h', ?, ?, 4, 99)", (rank, f"p{rank}")
+            )
+    store = SqliteStore(path)
+    members = store.read(
+        lambda tx: tx.fetchall(
+            "SELECT rank, member_id, joined_us, left_us FROM members WHERE grp = 'g' ORDER BY rank"
+        )
+    )
+    assert members == [(0, "a", 5, None), (1, "", 5, 5), (2, "c", 5, None)]
+    barrier = store.read(
+        lambda tx: tx.fetchone("SELECT barrier_size, barrier_count FROM groups WHERE grp = 'h'")
+    )
+    assert barrier == (4, 2)
     store.close()
 
 
@@ -196,7 +231,7 @@ def test_retryable_error_reruns_the_whole_batch(tmp_path: Path) -> None:
             raise _Conflict("could not serialize access")
         return len(runs)
 
-    assert writer.submit(flaky) == 3
+    assert writer.write(flaky) == 3
     writer.close()
     # The two aborted attempts left nothing behind.
     assert conn.execute("SELECT COUNT(*) FROM t").fetchone() == (1,)
@@ -210,7 +245,7 @@ def test_persistent_conflict_gives_up_with_unavailable(tmp_path: Path) -> None:
         raise _Conflict("deadlock detected")
 
     with pytest.raises(Unavailable, match=r"failed 3 times on conflicting writes.*deadlock"):
-        writer.submit(always)
+        writer.write(always)
     writer.close()
     assert conn.execute("SELECT COUNT(*) FROM t").fetchone() == (0,)
 
@@ -223,7 +258,7 @@ def test_failed_commit_fails_every_operation(tmp_path: Path) -> None:
         raise Divergence("would have been kept")
 
     with pytest.raises(Unavailable, match="store commit failed: disk full"):
-        writer.submit(op)
+        writer.write(op)
     writer.close()
     assert conn.execute("SELECT COUNT(*) FROM t").fetchone() == (0,)
 

@@ -14,7 +14,6 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -35,6 +34,7 @@ from rngcoord.client.errors import (
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 from rngcoord.v1.status import error_info
+from rngcoord.v1.types import AuditRecord, GroupInfo, JoinResult, Lease, RestoreResult
 
 #: Where the client looks for the coordinator when neither ``targets`` nor RNGCOORD_ADDR say.
 DEFAULT_ADDR = "localhost:29520"
@@ -49,68 +49,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 500),
 ]
 _MAX_SLEEP_S = 5.0
-
-
-@dataclass(frozen=True)
-class JoinResult:
-    """An epoch of a group, as JoinGroup returns it."""
-
-    epoch: int
-    seed: int
-    start: int
-    job_seed: int
-    members: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Lease:
-    """The lease ``[start, end)`` of offsets for ``(group, epoch, seq)``; ``existing`` is true
-    when another request had granted it already."""
-
-    group: str
-    epoch: int
-    seq: int
-    seed: int
-    start: int
-    end: int
-    existing: bool
-
-
-@dataclass(frozen=True)
-class GroupInfo:
-    """A group's seed, current epoch (0: none yet), members and high-water mark."""
-
-    job: str
-    group: str
-    seed: int
-    epoch: int
-    members: tuple[str, ...]
-    high_water: int
-    leases: int
-    job_seed: int
-
-
-@dataclass(frozen=True)
-class RestoreResult:
-    """The cursor a Restore recorded; ``existing`` when an identical Restore was recorded."""
-
-    cursor: int
-    existing: bool
-
-
-@dataclass(frozen=True)
-class AuditEntry:
-    """One record of the audit chain; ``detail`` is canonical JSON."""
-
-    id: int
-    ts_us: int
-    job: str
-    group: str
-    kind: str
-    actor: str
-    detail: str
-    prev_hash: str
-    hash: str
 
 
 def _env_targets() -> list[str]:
@@ -259,6 +197,7 @@ class CoordinatorClient:
         member_id: str,
         job_seed: int | None = None,
         timeout_s: float = 60.0,
+        include_members: bool = False,
     ) -> JoinResult:
         """Join ``group``'s barrier; returns once ``world_size`` ranks have joined.
 
@@ -270,6 +209,8 @@ class CoordinatorClient:
             member_id: This process incarnation's id.
             job_seed: The job's root seed; ``None`` (default) lets the first join decide.
             timeout_s: How long the server waits for the other ranks. Default 60.0.
+            include_members: Also return every member id (O(world size) bytes). Default
+                ``False``: the result carries the member set's digest only.
         """
         request = pb.JoinGroupRequest(
             job=job,
@@ -278,6 +219,7 @@ class CoordinatorClient:
             world_size=world_size,
             member_id=member_id,
             timeout_ms=max(1, round(timeout_s * 1000)),
+            include_members=include_members,
         )
         if job_seed is not None:
             request.job_seed = job_seed
@@ -287,13 +229,7 @@ class CoordinatorClient:
             timeout_s + self.deadline_s,
             deadline_is_timeout=True,
         )
-        return JoinResult(
-            epoch=reply.epoch,
-            seed=reply.seed,
-            start=reply.start,
-            job_seed=reply.job_seed,
-            members=tuple(reply.members),
-        )
+        return JoinResult.from_pb(reply)
 
     def reserve(
         self,
@@ -323,16 +259,7 @@ class CoordinatorClient:
             lambda s, d, m: s.Reserve(request, timeout=d, metadata=m),
             self.deadline_s,
         )
-        lease = reply.lease
-        return Lease(
-            group=lease.group,
-            epoch=lease.epoch,
-            seq=lease.seq,
-            seed=lease.seed,
-            start=lease.start,
-            end=lease.end,
-            existing=reply.existing,
-        )
+        return Lease.from_pb(reply)
 
     def leave_group(self, job: str, group: str, *, epoch: int, rank: int, member_id: str) -> None:
         """Record that this member leaves ``group``'s epoch."""
@@ -345,24 +272,21 @@ class CoordinatorClient:
             self.deadline_s,
         )
 
-    def get_group(self, job: str, group: str) -> GroupInfo:
-        """Describe ``group``: seed, current epoch, members, high-water mark."""
-        request = pb.GetGroupRequest(job=job, group=group)
+    def get_group(
+        self, job: str, group: str, *, members_from: int = 0, members_limit: int = 0
+    ) -> GroupInfo:
+        """Describe ``group``: seed, current epoch, a page of its members from rank
+        ``members_from`` (at most ``members_limit``; 0: the server's default, 1024), and the
+        high-water mark."""
+        request = pb.GetGroupRequest(
+            job=job, group=group, members_from=members_from, members_limit=members_limit
+        )
         reply = self._call(
             "GetGroup",
             lambda s, d, m: s.GetGroup(request, timeout=d, metadata=m),
             self.deadline_s,
         )
-        return GroupInfo(
-            job=reply.job,
-            group=reply.group,
-            seed=reply.seed,
-            epoch=reply.epoch,
-            members=tuple(reply.members),
-            high_water=reply.high_water,
-            leases=reply.leases,
-            job_seed=reply.job_seed,
-        )
+        return GroupInfo.from_pb(reply)
 
     def restore(
         self,
@@ -390,7 +314,7 @@ class CoordinatorClient:
             lambda s, d, m: s.Restore(request, timeout=d, metadata=m),
             self.deadline_s,
         )
-        return RestoreResult(cursor=reply.cursor, existing=reply.existing)
+        return RestoreResult.from_pb(reply)
 
     def list_audit(
         self,
@@ -400,7 +324,7 @@ class CoordinatorClient:
         since_us: int = 0,
         until_us: int = 0,
         limit: int = 0,
-    ) -> list[AuditEntry]:
+    ) -> list[AuditRecord]:
         """Audit records in chain order, oldest first; empty filters match everything."""
         request = pb.ListAuditRequest(
             job=job,
@@ -415,20 +339,7 @@ class CoordinatorClient:
             lambda s, d, m: list(s.ListAudit(request, timeout=d, metadata=m)),
             self.deadline_s,
         )
-        return [
-            AuditEntry(
-                id=r.id,
-                ts_us=r.ts_us,
-                job=r.job,
-                group=r.group,
-                kind=r.kind,
-                actor=r.actor,
-                detail=r.detail,
-                prev_hash=r.prev_hash,
-                hash=r.hash,
-            )
-            for r in records
-        ]
+        return [AuditRecord.from_pb(r) for r in records]
 
 
 # What the caller should do, by the coordinator's ErrorReason; the class each reason raises.

@@ -39,7 +39,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from rngcoord.client.connection import CoordinatorClient, JoinResult, Lease
+from rngcoord.client.connection import CoordinatorClient
 from rngcoord.client.errors import (
     CoordinatorUnavailable,
     DivergenceError,
@@ -47,6 +47,7 @@ from rngcoord.client.errors import (
     refused,
 )
 from rngcoord.v1.rules import RuleViolation, check_cursor, check_size
+from rngcoord.v1.types import JoinResult, Lease
 
 #: The fingerprint chain's value before any op.
 INITIAL_DIGEST = hashlib.sha256(b"rngcoord/v1/ops").digest()

@@ -24,41 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drngcoord/v1/coordinator.proto\x12\x0brngcoord.v1\"\x9b\x01\n\x10JoinGroupRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\tmember_id\x18\x05 \x01(\t\x12\x15\n\x08job_seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\ntimeout_ms\x18\x07 \x01(\rB\x0b\n\t_job_seed\"b\n\x11JoinGroupResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\r\n\x05start\x18\x03 \x01(\x04\x12\x10\n\x08job_seed\x18\x04 \x01(\x04\x12\x0f\n\x07members\x18\x05 \x03(\t\"\x8c\x01\n\x0eReserveRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\x0c\x12\x0c\n\x04rank\x18\x07 \x01(\r\x12\x11\n\tmember_id\x18\x08 \x01(\t\"\\\n\x05Lease\x12\r\n\x05group\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05start\x18\x05 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x06 \x01(\x04\"F\n\x0fReserveResponse\x12!\n\x05lease\x18\x01 \x01(\x0b\x32\x12.rngcoord.v1.Lease\x12\x10\n\x08\x65xisting\x18\x02 \x01(\x08\"_\n\x11LeaveGroupRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x11\n\tmember_id\x18\x05 \x01(\t\"\x14\n\x12LeaveGroupResponse\"-\n\x0fGetGroupRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\"\x92\x01\n\x10GetGroupResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0f\n\x07members\x18\x05 \x03(\t\x12\x12\n\nhigh_water\x18\x06 \x01(\x04\x12\x0e\n\x06leases\x18\x07 \x01(\x04\x12\x10\n\x08job_seed\x18\x08 \x01(\x04\"y\n\x0eRestoreRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0e\n\x06\x63ursor\x18\x05 \x01(\x04\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\x11\n\tmember_id\x18\x07 \x01(\t\"3\n\x0fRestoreResponse\x12\x0e\n\x06\x63ursor\x18\x01 \x01(\x04\x12\x10\n\x08\x65xisting\x18\x02 \x01(\x08\"p\n\x10ListAuditRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\r\n\x05kinds\x18\x03 \x03(\t\x12\x10\n\x08since_us\x18\x04 \x01(\x03\x12\x10\n\x08until_us\x18\x05 \x01(\x03\x12\r\n\x05limit\x18\x06 \x01(\r\"\x92\x01\n\x0b\x41uditRecord\x12\n\n\x02id\x18\x01 \x01(\x04\x12\r\n\x05ts_us\x18\x02 \x01(\x03\x12\x0b\n\x03job\x18\x03 \x01(\t\x12\r\n\x05group\x18\x04 \x01(\t\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\r\n\x05\x61\x63tor\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\x12\x11\n\tprev_hash\x18\x08 \x01(\t\x12\x0c\n\x04hash\x18\t \x01(\t*\xe1\x02\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x11\n\rINVALID_FIELD\x10\x01\x12\x0f\n\x0bUNKNOWN_JOB\x10\x02\x12\x11\n\rUNKNOWN_GROUP\x10\x03\x12\x11\n\rUNKNOWN_EPOCH\x10\x04\x12\x0f\n\x0bSTALE_EPOCH\x10\x05\x12\x0e\n\nNOT_MEMBER\x10\x06\x12\x0e\n\nDIVERGENCE\x10\x07\x12\x11\n\rSEED_CONFLICT\x10\x08\x12\x17\n\x13WORLD_SIZE_MISMATCH\x10\t\x12\x14\n\x10SEQ_OUT_OF_ORDER\x10\n\x12\x14\n\x10RESTORE_CONFLICT\x10\x0b\x12\x15\n\x11OFFSETS_EXHAUSTED\x10\x0c\x12\x10\n\x0cJOIN_TIMEOUT\x10\r\x12\x15\n\x11STORE_UNAVAILABLE\x10\x0e\x12\r\n\tBAD_TOKEN\x10\x0f\x12\x12\n\x0eINTERNAL_ERROR\x10\x10\x32\xc5\x03\n\x0b\x43oordinator\x12J\n\tJoinGroup\x12\x1d.rngcoord.v1.JoinGroupRequest\x1a\x1e.rngcoord.v1.JoinGroupResponse\x12\x44\n\x07Reserve\x12\x1b.rngcoord.v1.ReserveRequest\x1a\x1c.rngcoord.v1.ReserveResponse\x12M\n\nLeaveGroup\x12\x1e.rngcoord.v1.LeaveGroupRequest\x1a\x1f.rngcoord.v1.LeaveGroupResponse\x12G\n\x08GetGroup\x12\x1c.rngcoord.v1.GetGroupRequest\x1a\x1d.rngcoord.v1.GetGroupResponse\x12\x44\n\x07Restore\x12\x1b.rngcoord.v1.RestoreRequest\x1a\x1c.rngcoord.v1.RestoreResponse\x12\x46\n\tListAudit\x12\x1d.rngcoord.v1.ListAuditRequest\x1a\x18.rngcoord.v1.AuditRecord0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drngcoord/v1/coordinator.proto\x12\x0brngcoord.v1\"\xb4\x01\n\x10JoinGroupRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\tmember_id\x18\x05 \x01(\t\x12\x15\n\x08job_seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\x12\x17\n\x0finclude_members\x18\x08 \x01(\x08\x42\x0b\n\t_job_seed\"\x8e\x01\n\x11JoinGroupResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\r\n\x05start\x18\x03 \x01(\x04\x12\x10\n\x08job_seed\x18\x04 \x01(\x04\x12\x0f\n\x07members\x18\x05 \x03(\t\x12\x16\n\x0emembers_digest\x18\x06 \x01(\x0c\x12\x12\n\nworld_size\x18\x07 \x01(\r\"\x8c\x01\n\x0eReserveRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\x0c\x12\x0c\n\x04rank\x18\x07 \x01(\r\x12\x11\n\tmember_id\x18\x08 \x01(\t\"\\\n\x05Lease\x12\r\n\x05group\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05start\x18\x05 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x06 \x01(\x04\"F\n\x0fReserveResponse\x12!\n\x05lease\x18\x01 \x01(\x0b\x32\x12.rngcoord.v1.Lease\x12\x10\n\x08\x65xisting\x18\x02 \x01(\x08\"_\n\x11LeaveGroupRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x11\n\tmember_id\x18\x05 \x01(\t\"\x14\n\x12LeaveGroupResponse\"Z\n\x0fGetGroupRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x14\n\x0cmembers_from\x18\x03 \x01(\r\x12\x15\n\rmembers_limit\x18\x04 \x01(\r\"\xea\x01\n\x10GetGroupResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0f\n\x07members\x18\x05 \x03(\t\x12\x12\n\nhigh_water\x18\x06 \x01(\x04\x12\x0e\n\x06leases\x18\x07 \x01(\x04\x12\x10\n\x08job_seed\x18\x08 \x01(\x04\x12\x12\n\nworld_size\x18\t \x01(\r\x12\x14\n\x0cmembers_from\x18\n \x01(\r\x12\x14\n\x0cmembers_next\x18\x0b \x01(\r\x12\x16\n\x0emembers_digest\x18\x0c \x01(\x0c\"y\n\x0eRestoreRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0e\n\x06\x63ursor\x18\x05 \x01(\x04\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\x11\n\tmember_id\x18\x07 \x01(\t\"3\n\x0fRestoreResponse\x12\x0e\n\x06\x63ursor\x18\x01 \x01(\x04\x12\x10\n\x08\x65xisting\x18\x02 \x01(\x08\"p\n\x10ListAuditRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\r\n\x05kinds\x18\x03 \x03(\t\x12\x10\n\x08since_us\x18\x04 \x01(\x03\x12\x10\n\x08until_us\x18\x05 \x01(\x03\x12\r\n\x05limit\x18\x06 \x01(\r\"\x92\x01\n\x0b\x41uditRecord\x12\n\n\x02id\x18\x01 \x01(\x04\x12\r\n\x05ts_us\x18\x02 \x01(\x03\x12\x0b\n\x03job\x18\x03 \x01(\t\x12\r\n\x05group\x18\x04 \x01(\t\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\r\n\x05\x61\x63tor\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\x12\x11\n\tprev_hash\x18\x08 \x01(\t\x12\x0c\n\x04hash\x18\t \x01(\t*\xe1\x02\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x11\n\rINVALID_FIELD\x10\x01\x12\x0f\n\x0bUNKNOWN_JOB\x10\x02\x12\x11\n\rUNKNOWN_GROUP\x10\x03\x12\x11\n\rUNKNOWN_EPOCH\x10\x04\x12\x0f\n\x0bSTALE_EPOCH\x10\x05\x12\x0e\n\nNOT_MEMBER\x10\x06\x12\x0e\n\nDIVERGENCE\x10\x07\x12\x11\n\rSEED_CONFLICT\x10\x08\x12\x17\n\x13WORLD_SIZE_MISMATCH\x10\t\x12\x14\n\x10SEQ_OUT_OF_ORDER\x10\n\x12\x14\n\x10RESTORE_CONFLICT\x10\x0b\x12\x15\n\x11OFFSETS_EXHAUSTED\x10\x0c\x12\x10\n\x0cJOIN_TIMEOUT\x10\r\x12\x15\n\x11STORE_UNAVAILABLE\x10\x0e\x12\r\n\tBAD_TOKEN\x10\x0f\x12\x12\n\x0eINTERNAL_ERROR\x10\x10\x32\xc5\x03\n\x0b\x43oordinator\x12J\n\tJoinGroup\x12\x1d.rngcoord.v1.JoinGroupRequest\x1a\x1e.rngcoord.v1.JoinGroupResponse\x12\x44\n\x07Reserve\x12\x1b.rngcoord.v1.ReserveRequest\x1a\x1c.rngcoord.v1.ReserveResponse\x12M\n\nLeaveGroup\x12\x1e.rngcoord.v1.LeaveGroupRequest\x1a\x1f.rngcoord.v1.LeaveGroupResponse\x12G\n\x08GetGroup\x12\x1c.rngcoord.v1.GetGroupRequest\x1a\x1d.rngcoord.v1.GetGroupResponse\x12\x44\n\x07Restore\x12\x1b.rngcoord.v1.RestoreRequest\x1a\x1c.rngcoord.v1.RestoreResponse\x12\x46\n\tListAudit\x12\x1d.rngcoord.v1.ListAuditRequest\x1a\x18.rngcoord.v1.AuditRecord0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rngcoord.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORREASON']._serialized_start=1368
-  _globals['_ERRORREASON']._serialized_end=1721
+  _globals['_ERRORREASON']._serialized_start=1571
+  _globals['_ERRORREASON']._serialized_end=1924
   _globals['_JOINGROUPREQUEST']._serialized_start=47
-  _globals['_JOINGROUPREQUEST']._serialized_end=202
-  _globals['_JOINGROUPRESPONSE']._serialized_start=204
-  _globals['_JOINGROUPRESPONSE']._serialized_end=302
-  _globals['_RESERVEREQUEST']._serialized_start=305
-  _globals['_RESERVEREQUEST']._serialized_end=445
-  _globals['_LEASE']._serialized_start=447
-  _globals['_LEASE']._serialized_end=539
-  _globals['_RESERVERESPONSE']._serialized_start=541
-  _globals['_RESERVERESPONSE']._serialized_end=611
-  _globals['_LEAVEGROUPREQUEST']._serialized_start=613
-  _globals['_LEAVEGROUPREQUEST']._serialized_end=708
-  _globals['_LEAVEGROUPRESPONSE']._serialized_start=710
-  _globals['_LEAVEGROUPRESPONSE']._serialized_end=730
-  _globals['_GETGROUPREQUEST']._serialized_start=732
-  _globals['_GETGROUPREQUEST']._serialized_end=777
-  _globals['_GETGROUPRESPONSE']._serialized_start=780
-  _globals['_GETGROUPRESPONSE']._serialized_end=926
-  _globals['_RESTOREREQUEST']._serialized_start=928
-  _globals['_RESTOREREQUEST']._serialized_end=1049
-  _globals['_RESTORERESPONSE']._serialized_start=1051
-  _globals['_RESTORERESPONSE']._serialized_end=1102
-  _globals['_LISTAUDITREQUEST']._serialized_start=1104
-  _globals['_LISTAUDITREQUEST']._serialized_end=1216
-  _globals['_AUDITRECORD']._serialized_start=1219
-  _globals['_AUDITRECORD']._serialized_end=1365
-  _globals['_COORDINATOR']._serialized_start=1724
-  _globals['_COORDINATOR']._serialized_end=2177
+  _globals['_JOINGROUPREQUEST']._serialized_end=227
+  _globals['_JOINGROUPRESPONSE']._serialized_start=230
+  _globals['_JOINGROUPRESPONSE']._serialized_end=372
+  _globals['_RESERVEREQUEST']._serialized_start=375
+  _globals['_RESERVEREQUEST']._serialized_end=515
+  _globals['_LEASE']._serialized_start=517
+  _globals['_LEASE']._serialized_end=609
+  _globals['_RESERVERESPONSE']._serialized_start=611
+  _globals['_RESERVERESPONSE']._serialized_end=681
+  _globals['_LEAVEGROUPREQUEST']._serialized_start=683
+  _globals['_LEAVEGROUPREQUEST']._serialized_end=778
+  _globals['_LEAVEGROUPRESPONSE']._serialized_start=780
+  _globals['_LEAVEGROUPRESPONSE']._serialized_end=800
+  _globals['_GETGROUPREQUEST']._serialized_start=802
+  _globals['_GETGROUPREQUEST']._serialized_end=892
+  _globals['_GETGROUPRESPONSE']._serialized_start=895
+  _globals['_GETGROUPRESPONSE']._serialized_end=1129
+  _globals['_RESTOREREQUEST']._serialized_start=1131
+  _globals['_RESTOREREQUEST']._serialized_end=1252
+  _globals['_RESTORERESPONSE']._serialized_start=1254
+  _globals['_RESTORERESPONSE']._serialized_end=1305
+  _globals['_LISTAUDITREQUEST']._serialized_start=1307
+  _globals['_LISTAUDITREQUEST']._serialized_end=1419
+  _globals['_AUDITRECORD']._serialized_start=1422
+  _globals['_AUDITRECORD']._serialized_end=1568
+  _globals['_COORDINATOR']._serialized_start=1927
+  _globals['_COORDINATOR']._serialized_end=2380
 # @@protoc_insertion_point(module_scope)

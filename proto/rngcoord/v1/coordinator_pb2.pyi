@@ -170,6 +170,7 @@ class JoinGroupRequest(_message.Message):
     MEMBER_ID_FIELD_NUMBER: _builtins.int
     JOB_SEED_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    INCLUDE_MEMBERS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     """The job (training run). Tokens are scoped to it."""
     group: _builtins.str
@@ -185,7 +186,13 @@ class JoinGroupRequest(_message.Message):
     carries one, the coordinator draws it. A request with a different seed is refused.
     """
     timeout_ms: _builtins.int
-    """How long to wait for the other ranks, in milliseconds. 0 means the server's default."""
+    """How long to wait for the other ranks, in milliseconds. 0 means the server's default; the
+    server caps it (`rngcoord serve --max-join-timeout`).
+    """
+    include_members: _builtins.bool
+    """Return every member id in `members`. Off by default: at 10^5 ranks the list is megabytes
+    per reply; `members_digest` identifies the member set in 32 bytes.
+    """
     def __init__(
         self,
         *,
@@ -196,10 +203,11 @@ class JoinGroupRequest(_message.Message):
         member_id: _builtins.str = ...,
         job_seed: _builtins.int | None = ...,
         timeout_ms: _builtins.int = ...,
+        include_members: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_job_seed", b"_job_seed", "job_seed", b"job_seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_job_seed", b"_job_seed", "group", b"group", "job", b"job", "job_seed", b"job_seed", "member_id", b"member_id", "rank", b"rank", "timeout_ms", b"timeout_ms", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_job_seed", b"_job_seed", "group", b"group", "include_members", b"include_members", "job", b"job", "job_seed", b"job_seed", "member_id", b"member_id", "rank", b"rank", "timeout_ms", b"timeout_ms", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__job_seed: _TypeAlias = _typing.Literal["job_seed"]  # noqa: Y015
     _WhichOneofArgType__job_seed: _TypeAlias = _typing.Literal["_job_seed", b"_job_seed"]  # noqa: Y015
@@ -216,6 +224,8 @@ class JoinGroupResponse(_message.Message):
     START_FIELD_NUMBER: _builtins.int
     JOB_SEED_FIELD_NUMBER: _builtins.int
     MEMBERS_FIELD_NUMBER: _builtins.int
+    MEMBERS_DIGEST_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """The epoch that this join formed. Every rank of the barrier gets the same number."""
     seed: _builtins.int
@@ -224,9 +234,13 @@ class JoinGroupResponse(_message.Message):
     """Where the epoch's lease seq 0 starts: the group's high-water mark when the epoch formed."""
     job_seed: _builtins.int
     """The job's root seed."""
+    members_digest: _builtins.bytes
+    """SHA-256 of the epoch's member set: of "RANK:MEMBER_ID\\n" for every rank in order."""
+    world_size: _builtins.int
+    """Number of ranks in the epoch."""
     @_builtins.property
     def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """The member ids of the epoch, indexed by rank."""
+        """The member ids of the epoch, indexed by rank; only when the request set include_members."""
 
     def __init__(
         self,
@@ -236,10 +250,12 @@ class JoinGroupResponse(_message.Message):
         start: _builtins.int = ...,
         job_seed: _builtins.int = ...,
         members: _abc.Iterable[_builtins.str] | None = ...,
+        members_digest: _builtins.bytes = ...,
+        world_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_seed", b"job_seed", "members", b"members", "seed", b"seed", "start", b"start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_seed", b"job_seed", "members", b"members", "members_digest", b"members_digest", "seed", b"seed", "start", b"start", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -405,17 +421,26 @@ class GetGroupRequest(_message.Message):
 
     JOB_FIELD_NUMBER: _builtins.int
     GROUP_FIELD_NUMBER: _builtins.int
+    MEMBERS_FROM_FIELD_NUMBER: _builtins.int
+    MEMBERS_LIMIT_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     group: _builtins.str
+    members_from: _builtins.int
+    """The page of members to return: ranks from `members_from`, at most `members_limit` of them
+    (0: the server's default, 1024; at most 65536).
+    """
+    members_limit: _builtins.int
     def __init__(
         self,
         *,
         job: _builtins.str = ...,
         group: _builtins.str = ...,
+        members_from: _builtins.int = ...,
+        members_limit: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "job", b"job"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "job", b"job", "members_from", b"members_from", "members_limit", b"members_limit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -433,6 +458,10 @@ class GetGroupResponse(_message.Message):
     HIGH_WATER_FIELD_NUMBER: _builtins.int
     LEASES_FIELD_NUMBER: _builtins.int
     JOB_SEED_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    MEMBERS_FROM_FIELD_NUMBER: _builtins.int
+    MEMBERS_NEXT_FIELD_NUMBER: _builtins.int
+    MEMBERS_DIGEST_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     group: _builtins.str
     seed: _builtins.int
@@ -443,9 +472,20 @@ class GetGroupResponse(_message.Message):
     leases: _builtins.int
     """Leases granted in the current epoch."""
     job_seed: _builtins.int
+    world_size: _builtins.int
+    """Number of ranks in the current epoch (0 before the first forms)."""
+    members_from: _builtins.int
+    """The first rank of the `members` page, and where the next page starts (world_size when
+    this page is the last).
+    """
+    members_next: _builtins.int
+    members_digest: _builtins.bytes
+    """SHA-256 of the current epoch's member set, as in JoinGroupResponse."""
     @_builtins.property
     def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """The current epoch's member ids by rank; an empty string marks a rank that left."""
+        """A page of the current epoch's member ids by rank, from rank `members_from`; an empty string
+        marks a rank that left.
+        """
 
     def __init__(
         self,
@@ -458,10 +498,14 @@ class GetGroupResponse(_message.Message):
         high_water: _builtins.int = ...,
         leases: _builtins.int = ...,
         job_seed: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+        members_from: _builtins.int = ...,
+        members_next: _builtins.int = ...,
+        members_digest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "group", b"group", "high_water", b"high_water", "job", b"job", "job_seed", b"job_seed", "leases", b"leases", "members", b"members", "seed", b"seed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "group", b"group", "high_water", b"high_water", "job", b"job", "job_seed", b"job_seed", "leases", b"leases", "members", b"members", "members_digest", b"members_digest", "members_from", b"members_from", "members_next", b"members_next", "seed", b"seed", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -74,7 +74,8 @@ class CoordinatorServicer:
     def JoinGroup(self, request, context):
         """JoinGroup is a barrier. It returns once `world_size` distinct ranks have joined the group
         with the same world size, and every one of them gets the same epoch, seed and start
-        cursor. Retrying a join whose epoch has formed returns that epoch again.
+        cursor. Retrying a join whose epoch has formed returns that epoch again. A waiting join
+        holds no server thread, and a caller that cancels frees its place at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -96,7 +97,8 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetGroup(self, request, context):
-        """GetGroup describes a group: seed, current epoch, members and high-water mark.
+        """GetGroup describes a group: seed, current epoch, a page of its members and the
+        high-water mark.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

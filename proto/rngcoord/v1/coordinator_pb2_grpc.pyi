@@ -60,7 +60,8 @@ class CoordinatorStub:
     JoinGroup: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.JoinGroupRequest, _coordinator_pb2.JoinGroupResponse]
     """JoinGroup is a barrier. It returns once `world_size` distinct ranks have joined the group
     with the same world size, and every one of them gets the same epoch, seed and start
-    cursor. Retrying a join whose epoch has formed returns that epoch again.
+    cursor. Retrying a join whose epoch has formed returns that epoch again. A waiting join
+    holds no server thread, and a caller that cancels frees its place at once.
     """
     Reserve: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReserveRequest, _coordinator_pb2.ReserveResponse]
     """Reserve returns the lease for (group, epoch, seq). The first request allocates it
@@ -69,7 +70,9 @@ class CoordinatorStub:
     LeaveGroup: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LeaveGroupRequest, _coordinator_pb2.LeaveGroupResponse]
     """LeaveGroup records that a member leaves. The epoch stays valid for the other members."""
     GetGroup: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetGroupRequest, _coordinator_pb2.GetGroupResponse]
-    """GetGroup describes a group: seed, current epoch, members and high-water mark."""
+    """GetGroup describes a group: seed, current epoch, a page of its members and the
+    high-water mark.
+    """
     Restore: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RestoreRequest, _coordinator_pb2.RestoreResponse]
     """Restore rewinds a group's stream for a bitwise-exact resume: the lease `seq` of the
     current epoch will start at `cursor`. It may reuse offsets that were granted before, and
@@ -86,7 +89,8 @@ class CoordinatorAsyncStub(CoordinatorStub):
     JoinGroup: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.JoinGroupRequest, _coordinator_pb2.JoinGroupResponse]  # type: ignore[assignment]
     """JoinGroup is a barrier. It returns once `world_size` distinct ranks have joined the group
     with the same world size, and every one of them gets the same epoch, seed and start
-    cursor. Retrying a join whose epoch has formed returns that epoch again.
+    cursor. Retrying a join whose epoch has formed returns that epoch again. A waiting join
+    holds no server thread, and a caller that cancels frees its place at once.
     """
     Reserve: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReserveRequest, _coordinator_pb2.ReserveResponse]  # type: ignore[assignment]
     """Reserve returns the lease for (group, epoch, seq). The first request allocates it
@@ -95,7 +99,9 @@ class CoordinatorAsyncStub(CoordinatorStub):
     LeaveGroup: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LeaveGroupRequest, _coordinator_pb2.LeaveGroupResponse]  # type: ignore[assignment]
     """LeaveGroup records that a member leaves. The epoch stays valid for the other members."""
     GetGroup: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetGroupRequest, _coordinator_pb2.GetGroupResponse]  # type: ignore[assignment]
-    """GetGroup describes a group: seed, current epoch, members and high-water mark."""
+    """GetGroup describes a group: seed, current epoch, a page of its members and the
+    high-water mark.
+    """
     Restore: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RestoreRequest, _coordinator_pb2.RestoreResponse]  # type: ignore[assignment]
     """Restore rewinds a group's stream for a bitwise-exact resume: the lease `seq` of the
     current epoch will start at `cursor`. It may reuse offsets that were granted before, and
@@ -115,7 +121,8 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_coordinator_pb2.JoinGroupResponse, _abc.Awaitable[_coordinator_pb2.JoinGroupResponse]]:
         """JoinGroup is a barrier. It returns once `world_size` distinct ranks have joined the group
         with the same world size, and every one of them gets the same epoch, seed and start
-        cursor. Retrying a join whose epoch has formed returns that epoch again.
+        cursor. Retrying a join whose epoch has formed returns that epoch again. A waiting join
+        holds no server thread, and a caller that cancels frees its place at once.
         """
 
     @_abc_1.abstractmethod
@@ -142,7 +149,9 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.GetGroupRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.GetGroupResponse, _abc.Awaitable[_coordinator_pb2.GetGroupResponse]]:
-        """GetGroup describes a group: seed, current epoch, members and high-water mark."""
+        """GetGroup describes a group: seed, current epoch, a page of its members and the
+        high-water mark.
+        """
 
     @_abc_1.abstractmethod
     def Restore(

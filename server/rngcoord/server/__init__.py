@@ -21,27 +21,22 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rngcoord.server.app import RunningServer, TLSConfig, serve, start_server
-    from rngcoord.server.coordinator import (
-        Coordinator,
-        GroupInfo,
-        JoinResult,
-        ReserveResult,
-        RestoreResult,
-    )
+    from rngcoord.server.coordinator import Coordinator
     from rngcoord.server.errors import CoordinatorError
     from rngcoord.server.seeds import group_seed
     from rngcoord.server.store import Store
     from rngcoord.server.stores import open_store
     from rngcoord.server.verify import VerifyReport, verify
+    from rngcoord.v1.types import GroupInfo, JoinResult, Lease, RestoreResult
 
 # public name -> the module that defines it
 _EXPORTS = {
     "Coordinator": "coordinator",
     "CoordinatorError": "errors",
-    "GroupInfo": "coordinator",
-    "JoinResult": "coordinator",
-    "ReserveResult": "coordinator",
-    "RestoreResult": "coordinator",
+    "GroupInfo": "rngcoord.v1.types",
+    "JoinResult": "rngcoord.v1.types",
+    "Lease": "rngcoord.v1.types",
+    "RestoreResult": "rngcoord.v1.types",
     "RunningServer": "app",
     "Store": "store",
     "TLSConfig": "app",
@@ -58,7 +53,7 @@ __all__ = [
     "CoordinatorError",
     "GroupInfo",
     "JoinResult",
-    "ReserveResult",
+    "Lease",
     "RestoreResult",
     "RunningServer",
     "Store",
@@ -76,7 +71,8 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'rngcoord.server' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"rngcoord.server.{module}"), name)
+    path = module if module.startswith("rngcoord.") else f"rngcoord.server.{module}"
+    value = getattr(importlib.import_module(path), name)
     globals()[name] = value
     return value
 

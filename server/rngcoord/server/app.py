@@ -1,45 +1,48 @@
-"""Assembles and runs a coordinator server process.
+"""Assembles and runs one coordinator server process on an asyncio event loop.
 
-`start_server` builds everything and returns a running `RunningServer`: the store, the
-Coordinator, a gRPC server on a 64-thread pool carrying the Coordinator servicer (behind the
-bearer-token interceptor when tokens are given), the grpc.health.v1 health service and server
-reflection, optional TLS/mTLS, and the Prometheus HTTP endpoint. It touches no signal, so it
-also embeds in another program or a test.
+`run_server` builds everything and serves until told to stop: the store, the Coordinator, a
+`grpc.aio` server carrying the Coordinator servicer (behind the bearer-token interceptor when
+tokens are given), the grpc.health.v1 health service and server reflection, optional
+TLS/mTLS, and the Prometheus HTTP endpoint. No RPC holds a thread: handlers are coroutines,
+the store's writes go to its group-commit writer thread and its reads to a few reader
+threads.
 
-`serve` is what `rngcoord serve` runs: it starts the server, writes the ready file, waits for
-SIGTERM or SIGINT, then drains (health NOT_SERVING, in-flight RPCs get `grace_s` to finish),
-closes the store and returns exit status 0.
+`start_server` runs one in a background thread of its own, for embedding in another program
+or a test. `serve` is what `rngcoord serve` runs: one process (`workers=1`), or a supervisor
+of several worker processes that share the port (rngcoord.server.workers). It writes the ready
+file, waits for SIGTERM or SIGINT, then drains (health NOT_SERVING, in-flight RPCs get
+`grace_s` to finish), closes the store and returns exit status 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from http.server import HTTPServer
 from pathlib import Path
-from types import FrameType
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rngcoord.server.addresses import join_host_port, redact_url, split_host_port
 from rngcoord.server.auth import TokenAuthInterceptor, load_tokens
 from rngcoord.server.coordinator import Coordinator
 from rngcoord.server.logs import configure, event, get_logger
 from rngcoord.server.metrics import Metrics
 from rngcoord.server.service import CoordinatorServicer
-from rngcoord.server.store import Store
 from rngcoord.server.stores import open_store
 from rngcoord.v1 import coordinator_pb2, coordinator_pb2_grpc
 
+__all__ = ["RunningServer", "ServerOptions", "TLSConfig", "run_server", "serve", "start_server"]
+
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
-WORKERS = 64
 
 _log = get_logger("app")
 
@@ -69,55 +72,12 @@ class TLSConfig:
         )
 
 
-class RunningServer:
-    """A started coordinator server; `stop()` drains it and releases everything it holds.
-
-    Attributes:
-        address: the gRPC address actually bound, "HOST:PORT".
-        metrics_address: the Prometheus endpoint actually bound, or None when it is off.
-    """
-
-    def __init__(
-        self,
-        grpc_server: grpc.Server,
-        health_servicer: health.HealthServicer,
-        store: Store,
-        metrics_http: HTTPServer | None,
-        address: str,
-    ) -> None:
-        self._grpc = grpc_server
-        self._health = health_servicer
-        self._store = store
-        self._metrics_http = metrics_http
-        self.address = address
-        self.metrics_address = None
-        if metrics_http is not None:
-            metrics_host, metrics_port = metrics_http.server_address[:2]
-            self.metrics_address = _join_host_port(str(metrics_host), metrics_port)
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        """Report NOT_SERVING, give in-flight RPCs `grace_s` seconds, then close the store."""
-        self._health.enter_graceful_shutdown()
-        self._grpc.stop(grace_s).wait()
-        self._store.close()
-        if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
-
-
-def start_server(
-    listen: str,
-    db_url: str,
-    *,
-    metrics_listen: str | None = None,
-    tokens: Path | None = None,
-    tls: TLSConfig | None = None,
-    join_timeout_s: float = 60.0,
-) -> RunningServer:
-    """Open the store and start serving on `listen` ("HOST:PORT"; port 0 picks a free one).
+@dataclass(frozen=True)
+class ServerOptions:
+    """What one coordinator server process serves, and how.
 
     Args:
-        listen: the gRPC listen address.
+        listen: the gRPC listen address, "HOST:PORT"; port 0 picks a free one.
         db_url: the store, `sqlite:///PATH` or `postgresql://...`.
         metrics_listen: the Prometheus HTTP address. Default None: no metrics endpoint.
         tokens: a token file (see rngcoord.server.auth). Default None: no authentication,
@@ -125,81 +85,200 @@ def start_server(
         tls: TLS settings. Default None: plaintext.
         join_timeout_s: how long a JoinGroup waits when the request gives no timeout.
             Default 60.
+        max_join_timeout_s: the most any JoinGroup waits. Default 1800.
+        staleness_s: how stale the change feed may be for a hit from memory. Default 0.5.
+        reuse_port: bind with SO_REUSEPORT, so that the workers of one `rngcoord serve`
+            share the port. Default False: a second server cannot silently share it.
+        worker: this process's index among the workers, for logs. Default 0.
     """
-    host, _ = split_host_port(listen)
-    metrics = Metrics()
-    interceptors: list[grpc.ServerInterceptor[Any, Any]] = []
-    if tokens is not None:
-        table = load_tokens(tokens)
+
+    listen: str
+    db_url: str
+    metrics_listen: str | None = None
+    tokens: Path | None = None
+    tls: TLSConfig | None = None
+    join_timeout_s: float = 60.0
+    max_join_timeout_s: float = 1800.0
+    staleness_s: float = 0.5
+    reuse_port: bool = False
+    worker: int = 0
+
+
+async def run_server(
+    options: ServerOptions,
+    stop: asyncio.Event,
+    *,
+    started: Callable[[str, str | None], None] | None = None,
+    grace_s: float = 10.0,
+    metrics: Metrics | None = None,
+) -> None:
+    """Serve `options` on the running loop until `stop` is set, then drain and close.
+
+    Args:
+        options: what to serve.
+        stop: set it to begin the drain.
+        started: called with the bound gRPC address and the metrics address (or None) once
+            serving. Default None.
+        grace_s: how long in-flight RPCs may finish after `stop`. Default 10.
+        metrics: where outcomes are counted. Default: a fresh `Metrics`.
+
+    Raises:
+        OSError: an address cannot be bound or a TLS file cannot be read.
+        ValueError: a malformed address or token file.
+    """
+    host, _ = split_host_port(options.listen)
+    metrics = metrics if metrics is not None else Metrics()
+    interceptors: list[Any] = []
+    if options.tokens is not None:
+        table = load_tokens(options.tokens)
         interceptors.append(
             TokenAuthInterceptor(
                 table, on_reject=lambda: metrics.error(grpc.StatusCode.UNAUTHENTICATED)
             )
         )
-    else:
+    elif options.worker == 0:
         event(_log, logging.WARNING, "auth_disabled", hint="pass --tokens or set RNGCOORD_TOKENS")
-    credentials = tls.credentials() if tls is not None else None
+    credentials = options.tls.credentials() if options.tls is not None else None
 
-    store = open_store(db_url)
+    loop = asyncio.get_running_loop()
+    store = await loop.run_in_executor(None, open_store, options.db_url)
+    coordinator = Coordinator(
+        store,
+        join_timeout_s=options.join_timeout_s,
+        max_join_timeout_s=options.max_join_timeout_s,
+        staleness_s=options.staleness_s,
+    )
+    server: grpc.aio.Server | None = None
+    metrics_http: HTTPServer | None = None
     try:
-        server = grpc.server(
-            ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="rpc"),
+        await coordinator.start()
+        server = grpc.aio.server(
             interceptors=interceptors,
-            # Without this, a second server could bind the same port and silently share it.
-            options=[("grpc.so_reuseport", 0)],
+            options=[("grpc.so_reuseport", 1 if options.reuse_port else 0)],
         )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-            CoordinatorServicer(Coordinator(store, join_timeout_s=join_timeout_s), metrics),
-            server,
+            CoordinatorServicer(coordinator, metrics), server
         )
-        health_servicer = health.HealthServicer()
+        health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        port = _bind(server, listen, credentials)
-        metrics_http = None
-        if metrics_listen is not None:
-            metrics_http = metrics.serve_http(*split_host_port(metrics_listen))
-    except BaseException:
-        store.close()
-        raise
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    running = RunningServer(
-        server, health_servicer, store, metrics_http, _join_host_port(host, port)
-    )
-    event(
-        _log,
-        logging.INFO,
-        "serving",
-        address=running.address,
-        db=redact_url(db_url),
-        metrics=running.metrics_address or "off",
-        auth="tokens" if tokens is not None else "off",
-        tls="off" if tls is None else ("mtls" if tls.client_ca is not None else "tls"),
-        workers=WORKERS,
-    )
-    return running
+        port = _bind(server, options.listen, credentials)
+        if options.metrics_listen is not None:
+            metrics_http = metrics.serve_http(*split_host_port(options.metrics_listen))
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        address = join_host_port(host, port)
+        metrics_address = None
+        if metrics_http is not None:
+            metrics_host, metrics_port = metrics_http.server_address[:2]
+            metrics_address = join_host_port(str(metrics_host), metrics_port)
+        event(
+            _log,
+            logging.INFO,
+            "serving",
+            address=address,
+            db=redact_url(options.db_url),
+            metrics=metrics_address or "off",
+            auth="tokens" if options.tokens is not None else "off",
+            tls="off"
+            if options.tls is None
+            else ("mtls" if options.tls.client_ca is not None else "tls"),
+            worker=options.worker,
+            pid=os.getpid(),
+        )
+        if started is not None:
+            started(address, metrics_address)
+        await stop.wait()
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace_s)
+    finally:
+        if server is not None:
+            await server.stop(None)
+        await coordinator.close()
+        await loop.run_in_executor(None, store.close)
+        if metrics_http is not None:
+            metrics_http.shutdown()
+            metrics_http.server_close()
+
+
+class RunningServer:
+    """A coordinator served by `run_server` in a background thread; `stop()` drains it.
+
+    Attributes:
+        address: the gRPC address actually bound, "HOST:PORT".
+        metrics_address: the Prometheus endpoint actually bound, or None when it is off.
+    """
+
+    def __init__(self, options: ServerOptions, metrics: Metrics | None = None) -> None:
+        self._options = options
+        self._metrics = metrics
+        self._loop = asyncio.new_event_loop()
+        self._stop = asyncio.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.address = ""
+        self.metrics_address: str | None = None
+        self._grace_s = 10.0
+        self._thread = threading.Thread(target=self._run, name="rngcoord-server", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
+
+    def _run(self) -> None:
+        def started(address: str, metrics_address: str | None) -> None:
+            self.address, self.metrics_address = address, metrics_address
+            self._ready.set()
+
+        async def main() -> None:
+            await run_server(
+                self._options,
+                self._stop,
+                started=started,
+                grace_s=self._grace_s,
+                metrics=self._metrics,
+            )
+
+        try:
+            self._loop.run_until_complete(main())
+        except BaseException as exc:  # reported by the constructor, or by stop()
+            self._error = exc
+        finally:
+            self._ready.set()
+            self._loop.close()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Report NOT_SERVING, give in-flight RPCs `grace_s` seconds, then close the store."""
+        self._grace_s = grace_s
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join()
+
+
+def start_server(listen: str, db_url: str, **options: Any) -> RunningServer:
+    """Start a coordinator in a background thread of this process; see `ServerOptions` for
+    the keyword arguments. Returns once it serves."""
+    return RunningServer(ServerOptions(listen, db_url, **options))
 
 
 def serve(
-    listen: str,
-    db_url: str,
+    options: ServerOptions,
     *,
-    metrics_listen: str | None = None,
-    tokens: Path | None = None,
-    tls: TLSConfig | None = None,
+    workers: int = 1,
     ready_file: Path | None = None,
     grace_s: float = 10.0,
-    join_timeout_s: float = 60.0,
     log_level: int | str = logging.INFO,
 ) -> int:
-    """Run a server until SIGTERM or SIGINT, then drain it; returns the exit status (0).
+    """Run until SIGTERM or SIGINT, then drain; returns the exit status (0).
 
     Args:
-        listen, db_url, metrics_listen, tokens, tls, join_timeout_s: as for `start_server`.
+        options: what to serve.
+        workers: processes serving the port, each with its own event loop (one core each).
+            Default 1: this process serves.
         ready_file: once serving, the bound "HOST:PORT" is written here (atomically, so a
             reader never sees half of it). Default None: no file.
         grace_s: how long in-flight RPCs may run on after the signal. Default 10.
@@ -209,45 +288,42 @@ def serve(
     drain ends the process at once.
     """
     configure(log_level)
-    stopping = threading.Event()
+    if workers > 1:
+        from rngcoord.server.workers import supervise
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        signal.signal(signum, signal.SIG_DFL)
-        stopping.set()
+        return supervise(options, workers, ready_file=ready_file, grace_s=grace_s)
+    return asyncio.run(_serve_here(options, ready_file, grace_s))
+
+
+async def _serve_here(options: ServerOptions, ready_file: Path | None, grace_s: float) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            os._exit(128 + signum)  # a second signal: stop draining at once
+        event(_log, logging.INFO, "draining", grace_s=grace_s, signal=signal.Signals(signum).name)
+        stop.set()
 
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, on_signal)
-    running = start_server(
-        listen,
-        db_url,
-        metrics_listen=metrics_listen,
-        tokens=tokens,
-        tls=tls,
-        join_timeout_s=join_timeout_s,
-    )
-    if ready_file is not None:
-        _write_atomically(ready_file, running.address)
-    stopping.wait()
-    event(_log, logging.INFO, "draining", grace_s=grace_s)
-    running.stop(grace_s)
+        loop.add_signal_handler(signum, on_signal, signum)
+
+    def started(address: str, _metrics: str | None) -> None:
+        if ready_file is not None:
+            write_atomically(ready_file, address)
+
+    await run_server(options, stop, started=started, grace_s=grace_s)
     event(_log, logging.INFO, "stopped")
     return 0
 
 
-def redact_url(url: str) -> str:
-    """`url` with any password (in the authority or a `password=` query) replaced by "***"."""
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    if parts.password is None and all(k != "password" for k, _ in query):
-        return url
-    netloc = parts.netloc
-    if parts.password is not None:
-        netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
-    shown = "&".join(f"{k}={'***' if k == 'password' else v}" for k, v in query)
-    return urlunsplit(parts._replace(netloc=netloc, query=shown))
+def with_port(options: ServerOptions, port: int) -> ServerOptions:
+    """`options` listening on `port` of the same host."""
+    host, _ = split_host_port(options.listen)
+    return replace(options, listen=join_host_port(host, port))
 
 
-def _bind(server: grpc.Server, listen: str, credentials: grpc.ServerCredentials | None) -> int:
+def _bind(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None) -> int:
     try:
         if credentials is None:
             port = server.add_insecure_port(listen)
@@ -260,24 +336,8 @@ def _bind(server: grpc.Server, listen: str, credentials: grpc.ServerCredentials 
     return port
 
 
-def split_host_port(address: str) -> tuple[str, int]:
-    """Split "HOST:PORT" (IPv6 hosts in brackets) into (host, port).
-
-    Raises ValueError naming the address when it is malformed.
-    """
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"address {address!r} is not HOST:PORT")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
-
-
-def _join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)

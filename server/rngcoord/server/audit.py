@@ -12,14 +12,16 @@ Kinds: job, group, epoch, grant, divergence, restore, leave, join_timeout.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Iterator, Sequence
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
-from rngcoord.server.store import Tx
+from rngcoord.server.store import Store, Tx
+from rngcoord.v1.types import AuditRecord, canonical_json
 
 __all__ = [
     "GENESIS_HASH",
@@ -38,38 +40,6 @@ _string = encode_basestring_ascii
 """A str as `json.dumps` writes it with ensure_ascii, quotes included."""
 
 KINDS = ("job", "group", "epoch", "grant", "divergence", "restore", "leave", "join_timeout")
-
-
-@dataclass(frozen=True, slots=True)
-class AuditRecord:
-    """One record of the chain.
-
-    Args:
-        id: position in the chain, from 1.
-        ts_us: Unix time in microseconds when it was written.
-        job: the job it concerns.
-        group: the group it concerns ("" for a job record).
-        kind: one of `KINDS`.
-        actor: who caused it, for example "rank 1 member m-abc @ ipv4:10.0.0.7:5123".
-        detail: what happened; its canonical JSON is what the hash covers.
-        prev_hash: the previous record's hash.
-        hash: this record's hash, `record_hash` of the fields above.
-    """
-
-    id: int
-    ts_us: int
-    job: str
-    group: str
-    kind: str
-    actor: str
-    detail: dict[str, Any]
-    prev_hash: str
-    hash: str
-
-
-def canonical_json(value: object) -> str:
-    """JSON with sorted keys, no spaces and ASCII escapes: the form stored and hashed."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 def record_hash(
@@ -150,6 +120,41 @@ def append(
     )
     tx.execute("UPDATE audit_head SET last_id = ?, last_hash = ? WHERE id = 1", (record_id, digest))
     return record_id
+
+
+def records(
+    store: Store,
+    *,
+    job: str = "",
+    group: str = "",
+    kinds: Sequence[str] = (),
+    since_us: int = 0,
+    until_us: int = 0,
+    limit: int = 0,
+    page: int = 500,
+) -> Iterator[AuditRecord]:
+    """Records passing the filters (as in `fetch_page`), oldest first, read page by page from a
+    store outside any server (the `rngcoord audit` command); `limit` 0 means all."""
+    after_id, left = 0, limit or math.inf
+    while left > 0:
+        size = int(min(page, left))
+        batch = store.read(
+            functools.partial(
+                fetch_page,
+                after_id=after_id,
+                limit=size,
+                job=job,
+                group=group,
+                kinds=kinds,
+                since_us=since_us,
+                until_us=until_us,
+            )
+        )
+        yield from batch
+        if len(batch) < size:
+            return
+        after_id = batch[-1].id
+        left -= len(batch)
 
 
 def fetch_page(

@@ -13,7 +13,7 @@ UNAUTHENTICATED before the servicer sees it. The health and reflection services 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,11 +22,6 @@ import grpc
 from rngcoord.v1 import coordinator_pb2
 from rngcoord.v1.rules import RuleViolation, check_name
 from rngcoord.v1.status import rich_status
-
-if TYPE_CHECKING:
-    _ServerInterceptor = grpc.ServerInterceptor[Any, Any]
-else:  # grpc's runtime class is not generic; only its type stubs are.
-    _ServerInterceptor = grpc.ServerInterceptor
 
 ADMIN = "*"
 SERVICE_PREFIX = f"/{coordinator_pb2.DESCRIPTOR.services_by_name['Coordinator'].full_name}/"
@@ -63,6 +58,12 @@ def load_tokens(path: str | Path) -> dict[str, tuple[bytes, ...]]:
     return {job: tuple(values) for job, values in tokens.items()}
 
 
+if TYPE_CHECKING:
+    _ServerInterceptor = grpc.aio.ServerInterceptor[Any, Any]
+else:  # grpc's runtime class is not generic; only its type stubs are.
+    _ServerInterceptor = grpc.aio.ServerInterceptor
+
+
 class TokenAuthInterceptor(_ServerInterceptor):
     """Refuses Coordinator RPCs whose bearer token does not belong to the request's job.
 
@@ -70,8 +71,8 @@ class TokenAuthInterceptor(_ServerInterceptor):
         tokens: {job: accepted tokens}, as `load_tokens` returns; "*" holds admin tokens.
         on_reject: called once per refused call (the server counts them). Default: nothing.
 
-    It must be the only interceptor: it caches the wrapped handler per method, so it does not
-    build a handler object per call.
+    It caches the wrapped handler per method, so it builds no handler object per call. The
+    check runs in the handler, where the request (and so its job) is known.
     """
 
     def __init__(
@@ -85,18 +86,21 @@ class TokenAuthInterceptor(_ServerInterceptor):
         self._on_reject = on_reject
         self._wrapped: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
-    def intercept_service(
+    async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
+        ],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+    ) -> grpc.RpcMethodHandler[Any, Any]:
         method: str = handler_call_details.method
         wrapped = self._wrapped.get(method)
         if wrapped is not None:
             return wrapped
-        handler = continuation(handler_call_details)
+        # None for an unknown method, whatever the stubs say: gRPC answers UNIMPLEMENTED.
+        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(handler_call_details)
         if handler is None or not method.startswith(SERVICE_PREFIX):
-            return handler
+            return handler  # type: ignore[return-value]
         wrapped = self._wrap(handler)
         self._wrapped[method] = wrapped
         return wrapped
@@ -105,9 +109,11 @@ class TokenAuthInterceptor(_ServerInterceptor):
         if handler.unary_unary is not None:
             unary = handler.unary_unary
 
-            def checked_unary(request: Any, context: grpc.ServicerContext) -> Any:
-                self._check(request, context)
-                return unary(request, context)
+            async def checked_unary(
+                request: Any, context: grpc.aio.ServicerContext[Any, Any]
+            ) -> Any:
+                await self._check(request, context)
+                return await unary(request, context)  # type: ignore[arg-type]
 
             return grpc.unary_unary_rpc_method_handler(
                 checked_unary,
@@ -117,9 +123,11 @@ class TokenAuthInterceptor(_ServerInterceptor):
         if handler.unary_stream is not None:
             stream = handler.unary_stream
 
-            def checked_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                self._check(request, context)
-                yield from stream(request, context)
+            async def checked_stream(
+                request: Any, context: grpc.aio.ServicerContext[Any, Any]
+            ) -> Any:
+                await self._check(request, context)
+                return await stream(request, context)  # type: ignore[arg-type, misc]
 
             return grpc.unary_stream_rpc_method_handler(
                 checked_stream,
@@ -128,9 +136,9 @@ class TokenAuthInterceptor(_ServerInterceptor):
             )
         raise TypeError(f"rngcoord has no client-streaming RPCs; cannot guard {handler!r}")
 
-    def _check(self, request: Any, context: grpc.ServicerContext) -> None:
+    async def _check(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         job: str = request.job
-        token = _bearer_token(context.invocation_metadata())
+        token = _bearer_token(tuple(context.invocation_metadata() or ()))
         if token is not None and (
             _matches(token, self._tokens.get(job, ())) or _matches(token, self._admin)
         ):
@@ -141,14 +149,13 @@ class TokenAuthInterceptor(_ServerInterceptor):
             message = f"missing or wrong bearer token for job {job[:128]!r}"
         else:
             message = "missing or wrong bearer token: a request without a job needs the admin token"
-        context.abort_with_status(
-            rich_status(
-                grpc.StatusCode.UNAUTHENTICATED,
-                message,
-                coordinator_pb2.ErrorReason.Name(coordinator_pb2.BAD_TOKEN),
-                {"job": job[:128]},
-            )
+        status = rich_status(
+            grpc.StatusCode.UNAUTHENTICATED,
+            message,
+            coordinator_pb2.ErrorReason.Name(coordinator_pb2.BAD_TOKEN),
+            {"job": job[:128]},
         )
+        await context.abort(status.code, status.details, status.trailing_metadata)
 
 
 def _bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> bytes | None:

@@ -127,6 +127,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="JoinGroup wait when the request sets no timeout (default 60)",
     )
     serve.add_argument(
+        "--max-join-timeout",
+        type=_positive_float,
+        default=1800.0,
+        metavar="SECONDS",
+        help="the longest any JoinGroup waits, whatever it asks (default 1800)",
+    )
+    serve.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=_env_int(env, "RNGCOORD_WORKERS", os.cpu_count() or 1),
+        metavar="N",
+        help="server processes sharing the port, one core each (env RNGCOORD_WORKERS; "
+        "default: the number of cores)",
+    )
+    serve.add_argument(
+        "--cache-staleness",
+        type=_non_negative_float,
+        default=0.5,
+        metavar="SECONDS",
+        help="a hit is answered from memory only while this process has seen every change "
+        "made through other workers or replicas up to this long ago; otherwise it reads the "
+        "store (default 0.5)",
+    )
+    serve.add_argument(
         "--grace",
         type=_non_negative_float,
         default=10.0,
@@ -196,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     # Imported here so that `audit` and `verify` do not pay for the gRPC server's imports.
-    from rngcoord.server.app import TLSConfig, serve
+    from rngcoord.server.app import ServerOptions, TLSConfig, serve
 
     tls: TLSConfig | None = None
     if args.tls_cert is not None or args.tls_key is not None:
@@ -206,27 +230,39 @@ def _serve(args: argparse.Namespace) -> int:
     elif args.tls_client_ca is not None:
         raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
     metrics = None if args.metrics.strip().lower() == "off" else args.metrics
-    return serve(
+    if args.join_timeout > args.max_join_timeout:
+        raise ValueError(
+            f"--join-timeout {args.join_timeout:g} is above --max-join-timeout "
+            f"{args.max_join_timeout:g}"
+        )
+    options = ServerOptions(
         args.listen,
         args.db,
         metrics_listen=metrics,
         tokens=args.tokens,
         tls=tls,
+        join_timeout_s=args.join_timeout,
+        max_join_timeout_s=args.max_join_timeout,
+        staleness_s=args.cache_staleness,
+    )
+    return serve(
+        options,
+        workers=args.workers,
         ready_file=args.ready_file,
         grace_s=args.grace,
-        join_timeout_s=args.join_timeout,
         log_level=args.log_level,
     )
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from rngcoord.server.coordinator import Coordinator
+    from rngcoord.server.audit import records as audit_records
     from rngcoord.server.stores import open_store
 
     _require_existing(args.db)
     store = open_store(args.db)
     try:
-        records = Coordinator(store).list_audit(
+        records = audit_records(
+            store,
             job=args.job,
             group=args.group,
             kinds=tuple(args.kind),
@@ -403,6 +439,18 @@ def _time_us(text: str) -> int:
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return round(when.timestamp() * 1_000_000)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _env_int(env: os._Environ[str], name: str, default: int) -> int:
+    value = env.get(name)
+    return int(value) if value else default
 
 
 def _non_negative_int(text: str) -> int:

@@ -1,51 +1,51 @@
-"""The coordinator's domain logic, free of any transport: joins, leases, leaves, restores.
+"""The coordinator's rules: joins, leases, leaves, restores and the audit listing, on one store.
 
-`Coordinator` validates every request, answers idempotent repeats from a read-only snapshot
-(no write), and makes every state change in one group-committed write operation that also
-appends its audit record. Each write operation re-checks, inside its transaction, everything
-the read path checked, so concurrent requests and other replicas on the same store cannot
-slip between the check and the change. Refusals are `CoordinatorError`s; the servicer maps
-them to gRPC statuses.
+`Coordinator` is transport-free and asynchronous: it runs on the event loop of a coordinator
+process, waits on futures (never on threads), and leaves the store work to the store's
+group-commit writer thread and to reader threads. Its layers:
 
-Reserve is the hot path, so each of its two steps is one joined primary-key query: a hit reads
-the group, its current epoch and the lease at once (no write, and nothing cached but the
-decoding of membership lists, because another replica may form a new epoch at any time); a
-grant re-reads that state, the previous lease, any restore and the audit head in one query
-inside its write, then makes its four writes.
+- field checks: rngcoord.v1.rules, shared with the client;
+- SQL and row decoding: rngcoord.server.queries;
+- the join barrier: rngcoord.server.barrier;
+- what a hit answers from memory: rngcoord.server.cache, kept current by the change feed
+  (rngcoord.server.feed) across the processes that share the store;
+- results: rngcoord.v1.types, shared with the client.
 
-The join barrier keeps its waiting outside the store: a join writes a pending row, and when
-its epoch has not formed yet it waits on a condition that this coordinator notifies whenever
-one of its joins forms an epoch, and polls the store every 50 ms for epochs formed through
-other replicas. (Waking on epoch formation rather than on every commit keeps a barrier of N
-ranks from re-reading the store N times per join.)
+Reserve is the hot path. A hit (a lease already granted, asked again with the same size and
+fingerprint) is answered from the cache when the feed is fresh; otherwise from one
+primary-key join (`queries.RESERVE_LOOKUP`). A grant is one operation of the group-commit
+writer that re-checks, inside its transaction, everything the read path checked, so
+concurrent requests and other processes cannot slip between the check and the change: a
+member of a replaced epoch never gets a new grant, whatever any cache holds (docs/design.md
+§2.4, §7.4).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
 import math
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
-from rngcoord.server import audit
-from rngcoord.server.audit import AuditRecord
+from rngcoord.server import audit, queries
+from rngcoord.server.barrier import Barriers, JoinRequest, rank_list
+from rngcoord.server.cache import Cache, GroupState
+from rngcoord.server.clock import Clock, SystemClock
 from rngcoord.server.errors import (
     Divergence,
     FailedPrecondition,
     InvalidArgument,
-    JoinTimeout,
     NotFound,
     NotMember,
     ResourceExhausted,
     StaleEpoch,
 )
-from rngcoord.server.seeds import draw_job_seed, group_seed
-from rngcoord.server.store import Store, Tx, from_db, row_reader, to_db
+from rngcoord.server.feed import Feed, FeedRecord
+from rngcoord.server.store import Store, Tx, from_db
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.rules import (
     MAX_OFFSET,
@@ -60,204 +60,16 @@ from rngcoord.v1.rules import (
     check_u64,
     check_world_size,
 )
+from rngcoord.v1.types import AuditRecord, GroupInfo, JoinResult, Lease, RestoreResult
 
-__all__ = [
-    "Coordinator",
-    "GroupInfo",
-    "JoinResult",
-    "ReserveResult",
-    "RestoreResult",
-    "now_us",
-]
+__all__ = ["Coordinator"]
 
-_POLL_S = 0.05
-"""How often a waiting join re-reads the store, for epochs formed through other replicas."""
+T = TypeVar("T")
 
 _AUDIT_PAGE = 500
-_MAX_LISTED_RANKS = 16
-_MEMBERS_CACHE_CHARS = 8 << 20
-"""Membership text kept parsed: four lists of 65536 ranks, or thousands of small ones."""
-
-# Reserve's two statements. Each gathers in one primary-key join what the checks need, so a
-# hit costs one query and a grant one query before its writes: on SQLite every statement
-# releases and retakes the GIL, which under a full gRPC thread pool means a wait behind other
-# threads, and on PostgreSQL every statement is a network round trip. The epoch and lease rows
-# are joined on the group's current epoch: the caller's epoch is compared with it in Python,
-# so a stale or future epoch number never reaches the database (nor its signed 64-bit range).
-_RESERVE_LOOKUP = (
-    'SELECT g.seed, g.epoch, e.members, e.diverged, l.start, l."end", l.size, l.fingerprint '
-    "FROM groups g "
-    "LEFT JOIN epochs e ON e.job = g.job AND e.grp = g.grp AND e.epoch = g.epoch "
-    "LEFT JOIN leases l ON l.job = g.job AND l.grp = g.grp AND l.epoch = g.epoch AND l.seq = ? "
-    "WHERE g.job = ? AND g.grp = ?"
-)
-"""The read path: group, current epoch and lease (seq); params (seq, job, group)."""
-
-_RESERVE_STATE = (
-    "SELECT g.seed, g.epoch, g.high_water, e.start, e.members, e.diverged, "
-    'l.start, l."end", l.size, l.fingerprint, l.rank, p."end", r."cursor", '
-    "h.last_id, h.last_hash "
-    "FROM groups g JOIN audit_head h ON h.id = 1 "
-    "LEFT JOIN epochs e ON e.job = g.job AND e.grp = g.grp AND e.epoch = g.epoch "
-    "LEFT JOIN leases l ON l.job = g.job AND l.grp = g.grp AND l.epoch = g.epoch AND l.seq = ? "
-    "LEFT JOIN leases p ON p.job = g.job AND p.grp = g.grp AND p.epoch = g.epoch AND p.seq = ? "
-    "LEFT JOIN restores r ON r.job = g.job AND r.grp = g.grp AND r.epoch = g.epoch AND r.seq = ? "
-    "WHERE g.job = ? AND g.grp = ?"
-)
-"""The grant's re-check inside its write: the lookup's rows plus the previous lease (seq - 1),
-the restore of seq and the audit chain's head; params (seq, seq - 1, seq, job, group)."""
-
-
-def now_us() -> int:
-    """Unix time in microseconds."""
-    return time.time_ns() // 1000
-
-
-@dataclass(frozen=True, slots=True)
-class JoinResult:
-    """The epoch a join barrier formed.
-
-    Args:
-        epoch: the epoch number, the same for every rank of the barrier.
-        seed: the group's seed.
-        start: where lease seq 0 of the epoch starts (the high-water mark at formation).
-        job_seed: the job's root seed.
-        members: member ids by rank.
-    """
-
-    epoch: int
-    seed: int
-    start: int
-    job_seed: int
-    members: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ReserveResult:
-    """A lease: offsets [start, end) of the group's stream for (epoch, seq).
-
-    Args:
-        group: the group's name.
-        epoch: the epoch it belongs to.
-        seq: its position in the epoch.
-        seed: the group's seed.
-        start: the first offset.
-        end: one past the last offset.
-        existing: True when the lease had been granted before and was read back.
-    """
-
-    group: str
-    epoch: int
-    seq: int
-    seed: int
-    start: int
-    end: int
-    existing: bool
-
-
-@dataclass(frozen=True, slots=True)
-class GroupInfo:
-    """A group's state.
-
-    Args:
-        job: the job's name.
-        group: the group's name.
-        seed: the group's seed.
-        epoch: the current epoch, 0 before the first forms.
-        members: the current epoch's member ids by rank; "" marks a rank that left.
-        high_water: one past the highest offset ever granted in the group.
-        leases: number of leases granted in the current epoch.
-        job_seed: the job's root seed.
-    """
-
-    job: str
-    group: str
-    seed: int
-    epoch: int
-    members: tuple[str, ...]
-    high_water: int
-    leases: int
-    job_seed: int
-
-
-@dataclass(frozen=True, slots=True)
-class RestoreResult:
-    """The outcome of a Restore.
-
-    Args:
-        cursor: where lease `seq` will start.
-        existing: True when the same Restore had been recorded before.
-    """
-
-    cursor: int
-    existing: bool
-
-
-@dataclass(frozen=True, slots=True)
-class _Group:
-    seed: int
-    epoch: int
-    high_water: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Epoch:
-    epoch: int
-    world_size: int
-    start: int
-    members: tuple[str, ...]
-    diverged: str | None
-
-    def has(self, rank: int, member_id: str) -> bool:
-        return _has(self.members, rank, member_id)
-
-
-@dataclass(frozen=True, slots=True)
-class _Lease:
-    start: int
-    end: int
-    size: int
-    fingerprint: bytes
-    rank: int
-
-
-class _MembersCache:
-    """Parsed `epochs.members` columns (JSON lists of member ids by rank), keyed by the text.
-
-    Every request still reads the column from the store, since another replica may have
-    changed the membership; only the decoding is saved. Looking a text up costs a hash of it,
-    far less than decoding it: about 1 ms against 8 ms for 65536 ranks. The cache is bounded
-    by the total length of the texts it keeps, as one such list is ~2 MB of text; the oldest
-    entry goes first.
-
-    Args:
-        max_chars: most characters of text kept, all entries together.
-    """
-
-    def __init__(self, max_chars: int) -> None:
-        self._max_chars = max_chars
-        self._entries: dict[str, tuple[str, ...]] = {}
-        self._chars = 0
-        self._lock = threading.Lock()
-
-    def __call__(self, text: str) -> tuple[str, ...]:
-        found = self._entries.get(text)
-        if found is not None:
-            return found
-        members = tuple(json.loads(text))
-        if len(text) <= self._max_chars:
-            with self._lock:
-                if text not in self._entries:
-                    while self._chars + len(text) > self._max_chars:
-                        oldest = next(iter(self._entries))
-                        self._chars -= len(oldest)
-                        del self._entries[oldest]
-                    self._entries[text] = members
-                    self._chars += len(text)
-        return members
-
-
-_members = _MembersCache(max_chars=_MEMBERS_CACHE_CHARS)
+MEMBERS_PAGE = 1024
+"""Members GetGroup returns when the request sets no limit."""
+MAX_MEMBERS_PAGE = 65536
 
 
 @contextlib.contextmanager
@@ -269,97 +81,16 @@ def _fields() -> Iterator[None]:
         raise InvalidArgument.of(violation) from None
 
 
-def _has(members: tuple[str, ...], rank: int, member_id: str) -> bool:
-    return rank < len(members) and members[rank] == member_id
-
-
-def _not_member(job: str, group: str, epoch: int, rank: int, member_id: str) -> NotMember:
-    return NotMember(
-        f"rank {rank} member {member_id!r} is not a member of epoch {epoch} of group "
-        f"{group!r}; rejoin the group",
-        job=job,
-        group=group,
-        epoch=epoch,
-        rank=rank,
-        member_id=member_id,
-    )
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    """A rank list for a message, cut short when long."""
-    if len(ranks) <= _MAX_LISTED_RANKS:
-        return str(list(ranks))
-    shown = ", ".join(str(r) for r in ranks[:_MAX_LISTED_RANKS])
-    return f"[{shown}, ...] ({len(ranks)} ranks)"
-
-
-def _rank_list(ranks: Sequence[int]) -> str:
-    """A rank list for ErrorInfo metadata: "0,2,5", cut short past 16 as "0,...,15,+N"."""
-    shown = ",".join(str(r) for r in ranks[:_MAX_LISTED_RANKS])
-    extra = len(ranks) - _MAX_LISTED_RANKS
-    return f"{shown},+{extra}" if extra > 0 else shown
-
-
-def _diverged(job: str, group: str, epoch: int, stored: str) -> Divergence:
-    """The refusal of a Reserve in an epoch whose divergence was recorded as `stored`."""
-    try:
-        record = json.loads(stored)
-    except ValueError:  # a store written before divergences were recorded as JSON
-        record = {"message": stored}
-    return Divergence(
-        str(record["message"]),
-        job=job,
-        group=group,
-        epoch=epoch,
-        seq=record.get("seq", ""),
-        ranks=_rank_list(record.get("ranks", [])),
-    )
-
-
-def _job_seed(tx: Tx, job: str) -> int | None:
-    row = tx.fetchone("SELECT seed FROM jobs WHERE job = ?", (job,))
-    return None if row is None else from_db(row[0])
-
-
-def _group(tx: Tx, job: str, group: str) -> _Group | None:
-    row = tx.fetchone(
-        "SELECT seed, epoch, high_water FROM groups WHERE job = ? AND grp = ?", (job, group)
-    )
-    if row is None:
-        return None
-    return _Group(seed=from_db(row[0]), epoch=int(row[1]), high_water=from_db(row[2]))
-
-
-def _require_group(tx: Tx, job: str, group: str) -> _Group:
-    found = _group(tx, job, group)
-    if found is not None:
-        return found
-    if _job_seed(tx, job) is None:
-        raise NotFound(
+def _not_found(job: str, group: str, job_exists: bool) -> NotFound:
+    if not job_exists:
+        return NotFound(
             f"unknown job {job!r}: a JoinGroup creates it", reason=pb.UNKNOWN_JOB, job=job
         )
-    raise NotFound(
+    return NotFound(
         f"unknown group {group!r} in job {job!r}: a JoinGroup creates it",
         reason=pb.UNKNOWN_GROUP,
         job=job,
         group=group,
-    )
-
-
-def _epoch(tx: Tx, job: str, group: str, epoch: int) -> _Epoch:
-    row = tx.fetchone(
-        "SELECT world_size, start, members, diverged FROM epochs "
-        "WHERE job = ? AND grp = ? AND epoch = ?",
-        (job, group, epoch),
-    )
-    if row is None:
-        raise RuntimeError(f"group {group!r} of job {job!r} lacks its epoch {epoch} row")
-    return _Epoch(
-        epoch=epoch,
-        world_size=int(row[0]),
-        start=from_db(row[1]),
-        members=_members(row[2]),
-        diverged=row[3],
     )
 
 
@@ -385,52 +116,49 @@ def _check_epoch(current: int, job: str, group: str, epoch: int) -> None:
         )
 
 
-def _member_epoch(
-    tx: Tx, job: str, group: str, epoch: int, rank: int, member_id: str
-) -> tuple[_Group, _Epoch]:
-    """The group and its current epoch `epoch`, of which (rank, member_id) must be a member."""
-    g = _require_group(tx, job, group)
-    _check_epoch(g.epoch, job, group, epoch)
-    e = _epoch(tx, job, group, epoch)
-    if not e.has(rank, member_id):
-        raise _not_member(job, group, epoch, rank, member_id)
-    return g, e
-
-
-def _lease(tx: Tx, job: str, group: str, epoch: int, seq: int) -> _Lease | None:
-    row = tx.fetchone(
-        'SELECT start, "end", size, fingerprint, rank FROM leases '
-        "WHERE job = ? AND grp = ? AND epoch = ? AND seq = ?",
-        (job, group, epoch, seq),
-    )
-    if row is None:
-        return None
-    return _Lease(
-        start=from_db(row[0]),
-        end=from_db(row[1]),
-        size=from_db(row[2]),
-        fingerprint=bytes(row[3]),
-        rank=int(row[4]),
+def _not_member(job: str, group: str, epoch: int, rank: int, member_id: str) -> NotMember:
+    return NotMember(
+        f"rank {rank} member {member_id!r} is not a member of epoch {epoch} of group "
+        f"{group!r}; rejoin the group",
+        job=job,
+        group=group,
+        epoch=epoch,
+        rank=rank,
+        member_id=member_id,
     )
 
 
-def _restore_cursor(tx: Tx, job: str, group: str, epoch: int, seq: int) -> int | None:
-    row = tx.fetchone(
-        'SELECT "cursor" FROM restores WHERE job = ? AND grp = ? AND epoch = ? AND seq = ?',
-        (job, group, epoch, seq),
+def _diverged(job: str, group: str, epoch: int, stored: str) -> Divergence:
+    """The refusal of a Reserve in an epoch whose divergence was recorded as `stored`."""
+    try:
+        record = json.loads(stored)
+    except ValueError:  # a store written before divergences were recorded as JSON
+        record = {"message": stored}
+    return Divergence(
+        str(record["message"]),
+        job=job,
+        group=group,
+        epoch=epoch,
+        seq=record.get("seq", ""),
+        ranks=rank_list(record.get("ranks", [])),
     )
-    return None if row is None else from_db(row[0])
 
 
 class Coordinator:
-    """The seed/offset authority over one store.
+    """The seed/offset authority over one store, for one process's event loop.
 
     Args:
-        store: where state and the audit chain live; shared by all replicas of a deployment.
-        join_timeout_s: how long a join waits for the other ranks when the request sets no
-            timeout. Default 60.0.
-        clock: the source of timestamps (Unix microseconds) for records and join expiry.
-            Default `now_us`.
+        store: where state and the audit chain live; shared by all workers and replicas.
+        join_timeout_s: how long a join waits when the request sets no timeout. Default 60.
+        max_join_timeout_s: the most any join waits, whatever the request asks. Default 1800.
+        clock: the time source. Default: the system clock.
+        staleness_s: how old the change feed's last confirmation may be for a hit to be
+            answered from memory (docs/design.md §7.4). Default 0.5.
+        feed_poll_s: how often the change feed looks for other processes' changes. Default
+            None: 0.005 s on SQLite (a lock-free counter), 0.1 s on PostgreSQL (which also
+            notifies).
+
+    Call `start()` on the event loop before serving and `close()` after.
     """
 
     def __init__(
@@ -438,35 +166,95 @@ class Coordinator:
         store: Store,
         *,
         join_timeout_s: float = 60.0,
-        clock: Callable[[], int] = now_us,
+        max_join_timeout_s: float = 1800.0,
+        clock: Clock | None = None,
+        staleness_s: float = 0.5,
+        feed_poll_s: float | None = None,
     ) -> None:
         self._store = store
-        self._read_row = row_reader(store)
         self._join_timeout_s = join_timeout_s
-        self._clock = clock
-        # Notified when a join of this coordinator forms an epoch, to wake its waiting joins
-        # at once; joins that reach other replicas are seen by polling.
-        self._epoch_formed = threading.Condition()
-
-    def _audit(
-        self, tx: Tx, job: str, group: str, kind: str, actor: str, detail: dict[str, Any]
-    ) -> None:
-        audit.append(
-            tx, ts_us=self._clock(), job=job, group=group, kind=kind, actor=actor, detail=detail
+        self._max_join_timeout_s = max_join_timeout_s
+        self._clock: Clock = clock if clock is not None else SystemClock()
+        self._cache = Cache()
+        # SQLite reads take microseconds from the page cache and never wait for the writer
+        # (WAL), so they run on the event loop; PostgreSQL reads are round trips, in threads.
+        self._inline_reads = store.dialect == "sqlite"
+        self._readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rngcoord-read")
+        self._barriers = Barriers(store, self._read, self._clock, self._formed_here)
+        poll = feed_poll_s if feed_poll_s is not None else (0.005 if self._inline_reads else 0.1)
+        self._feed = Feed(
+            store, self._read, self._on_change, self._clock, poll_s=poll, staleness_s=staleness_s
         )
+        self._feed_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
-    # ----------------------------------------------------------------------------- join
+    @property
+    def store(self) -> Store:
+        return self._store
 
-    def join(
+    @property
+    def waiting_joins(self) -> int:
+        """Joins of this process waiting for their epoch."""
+        return self._barriers.waiting
+
+    async def start(self) -> None:
+        """Start following the store's change feed."""
+        await self._feed.start()
+        self._feed_task = asyncio.get_running_loop().create_task(self._feed.run())
+
+    async def close(self) -> None:
+        """Stop following the feed and release the reader threads (the store stays open)."""
+        await self._feed.stop()
+        if self._feed_task is not None:
+            self._feed_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._feed_task
+        self._readers.shutdown(wait=False, cancel_futures=True)
+
+    async def _read(self, fn: Callable[[Tx], T]) -> T:
+        if self._inline_reads:
+            return self._store.read(fn)
+        return await asyncio.get_running_loop().run_in_executor(self._readers, self._store.read, fn)
+
+    async def _write(self, fn: Callable[[Tx], T]) -> T:
+        return await asyncio.wrap_future(self._store.submit(fn))
+
+    # ----------------------------------------------------------------- cache upkeep
+
+    def _formed_here(self, job: str, group: str, epoch: int) -> None:
+        self._cache.groups.drop((job, group))
+
+    def _on_change(self, record: FeedRecord) -> None:
+        """A change committed by any process (this one included) that a hit or join must see."""
+        key = (record.job, record.group)
+        if record.kind == "leave":
+            self._cache.members.drop(
+                (record.job, record.group, int(record.detail["epoch"]), int(record.detail["rank"]))
+            )
+            return
+        self._cache.groups.drop(key)
+        if record.kind == "epoch":
+            task = asyncio.get_running_loop().create_task(
+                self._barriers.epoch_formed(record.job, record.group, int(record.detail["epoch"]))
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    # -------------------------------------------------------------------------- join
+
+    async def join(
         self,
         job: str,
         group: str,
+        *,
         rank: int,
         world_size: int,
         member_id: str,
-        job_seed: int | None,
-        timeout_s: float | None,
-        actor: str,
+        job_seed: int | None = None,
+        timeout_s: float | None = None,
+        actor: str = "",
+        peer: str = "",
+        include_members: bool = False,
     ) -> JoinResult:
         """Join the group's barrier; return the epoch it forms once all ranks have joined.
 
@@ -481,13 +269,15 @@ class Coordinator:
             member_id: the caller's process incarnation id.
             job_seed: the root seed to fix for a new job, or None to accept the job's seed.
             timeout_s: how long to wait for the other ranks; None for the coordinator's
-                default.
-            actor: who asks, for the audit log.
+                default. Capped at `max_join_timeout_s`.
+            actor: who asks, for the audit log. Default "".
+            peer: the caller's address, kept with its membership. Default "".
+            include_members: also return every member id (O(world size)). Default False.
 
         Raises:
             InvalidArgument: a malformed field.
-            FailedPrecondition: `job_seed` differs from the job's, or pending joins of the
-                group use another world size.
+            FailedPrecondition: SEED_CONFLICT, WORLD_SIZE_MISMATCH, or the epoch formed without
+                this member (NOT_MEMBER).
             JoinTimeout: the other ranks did not all join in time; names the missing ranks.
         """
         with _fields():
@@ -506,274 +296,49 @@ class Coordinator:
                 field="timeout_ms",
                 value=timeout_s,
             )
-
-        current = self._store.read(
-            lambda tx: self._joined_current(tx, job, group, rank, world_size, member_id, job_seed)
-        )
-        if current is not None:
-            return current
-        drawn = job_seed if job_seed is not None else draw_job_seed()
-        deadline = time.monotonic() + timeout_s
-        expires_us = self._clock() + math.ceil(timeout_s * 1e6)
-        outcome = self._store.write(
-            lambda tx: self._join_tx(
-                tx, job, group, rank, world_size, member_id, job_seed, drawn, expires_us, actor
-            )
-        )
-        if isinstance(outcome, JoinResult):
-            with self._epoch_formed:
-                self._epoch_formed.notify_all()
-            return outcome
-        base_epoch = outcome
-        while (remaining := deadline - time.monotonic()) > 0:
-            with self._epoch_formed:
-                self._epoch_formed.wait(min(_POLL_S, remaining))
-            formed = self._store.read(
-                lambda tx: self._joined_since(tx, job, group, rank, member_id, base_epoch)
-            )
-            if formed is not None:
-                return formed
-        final = self._store.write(
-            lambda tx: self._join_timeout_tx(
-                tx, job, group, rank, world_size, member_id, base_epoch, timeout_s, actor
-            )
-        )
-        if isinstance(final, JoinResult):
-            return final
-        message, missing = final
-        raise JoinTimeout(
-            f"join of group {group!r} timed out after {timeout_s:g}s: {message}",
-            job=job,
-            group=group,
-            world_size=world_size,
-            missing=_rank_list(missing),
-        )
-
-    @staticmethod
-    def _check_job_seed(job: str, stored: int, asked: int | None) -> None:
-        if asked is not None and asked != stored:
-            raise FailedPrecondition(
-                f"job {job!r} has root seed {stored}; the request asked for {asked}",
-                reason=pb.SEED_CONFLICT,
-                job=job,
-                seed=stored,
-                requested_seed=asked,
-            )
-
-    def _joined_current(
-        self,
-        tx: Tx,
-        job: str,
-        group: str,
-        rank: int,
-        world_size: int,
-        member_id: str,
-        job_seed: int | None,
-    ) -> JoinResult | None:
-        """The current epoch when the caller already belongs to it with this world size."""
-        stored = _job_seed(tx, job)
-        if stored is None:
-            return None
-        self._check_job_seed(job, stored, job_seed)
-        g = _group(tx, job, group)
-        if g is None or g.epoch == 0:
-            return None
-        e = _epoch(tx, job, group, g.epoch)
-        if e.world_size != world_size or not e.has(rank, member_id):
-            return None
-        return JoinResult(g.epoch, g.seed, e.start, stored, e.members)
-
-    @staticmethod
-    def _joined_since(
-        tx: Tx, job: str, group: str, rank: int, member_id: str, base_epoch: int
-    ) -> JoinResult | None:
-        """The first epoch after `base_epoch` that has (rank, member_id), if one formed."""
-        rows = tx.fetchall(
-            "SELECT epoch, start, members FROM epochs WHERE job = ? AND grp = ? AND epoch > ? "
-            "ORDER BY epoch",
-            (job, group, base_epoch),
-        )
-        for epoch, start, members_json in rows:
-            members = _members(members_json)
-            if _has(members, rank, member_id):
-                g = _require_group(tx, job, group)
-                stored = _job_seed(tx, job)
-                assert stored is not None  # the group exists, so its job does
-                return JoinResult(int(epoch), g.seed, from_db(start), stored, members)
-        return None
-
-    def _join_tx(
-        self,
-        tx: Tx,
-        job: str,
-        group: str,
-        rank: int,
-        world_size: int,
-        member_id: str,
-        job_seed: int | None,
-        drawn_seed: int,
-        expires_us: int,
-        actor: str,
-    ) -> JoinResult | int:
-        """Record the caller's join; return the epoch it formed, or the epoch to wait past."""
-        now = self._clock()
-        stored = _job_seed(tx, job)
-        if stored is None:
-            stored = drawn_seed
-            tx.execute(
-                "INSERT INTO jobs (job, seed, created_us) VALUES (?, ?, ?)",
-                (job, to_db(stored), now),
-            )
-            self._audit(tx, job, "", "job", actor, {"seed": stored})
-        self._check_job_seed(job, stored, job_seed)
-        g = _group(tx, job, group)
-        if g is None:
-            g = _Group(seed=group_seed(stored, group), epoch=0, high_water=0)
-            tx.execute(
-                "INSERT INTO groups (job, grp, seed, epoch, high_water) VALUES (?, ?, ?, 0, ?)",
-                (job, group, to_db(g.seed), to_db(0)),
-            )
-            self._audit(tx, job, group, "group", actor, {"seed": g.seed})
-        else:
-            # The epoch may have formed since the read path looked.
-            current = self._joined_current(tx, job, group, rank, world_size, member_id, job_seed)
-            if current is not None:
-                return current
-
-        tx.execute(
-            "DELETE FROM pending_joins WHERE job = ? AND grp = ? AND expires_us <= ?",
-            (job, group, now),
-        )
-        others = tx.fetchall(
-            "SELECT rank, member_id, world_size FROM pending_joins "
-            "WHERE job = ? AND grp = ? AND rank <> ? ORDER BY rank",
-            (job, group, rank),
-        )
-        mismatched = [(int(r), int(ws)) for r, _, ws in others if int(ws) != world_size]
-        if mismatched:
-            sizes = sorted({ws for _, ws in mismatched})
-            waiting = [r for r, _ in mismatched]
-            raise FailedPrecondition(
-                f"rank {rank} joined group {group!r} with world size {world_size}, but ranks "
-                f"{_ranks(waiting)} are waiting with world size "
-                f"{', '.join(map(str, sizes))}; every rank of a barrier must join with the "
-                "same world size",
-                reason=pb.WORLD_SIZE_MISMATCH,
-                job=job,
-                group=group,
-                world_size=world_size,
-                waiting_world_size=",".join(map(str, sizes)),
-                ranks=_rank_list(waiting),
-            )
-        # A new member id for a rank replaces the old one (a restarted process).
-        tx.execute(
-            "DELETE FROM pending_joins WHERE job = ? AND grp = ? AND rank = ?", (job, group, rank)
-        )
-        if len(others) + 1 < world_size:
-            tx.execute(
-                "INSERT INTO pending_joins (job, grp, rank, member_id, world_size, expires_us) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (job, group, rank, member_id, world_size, expires_us),
-            )
-            return g.epoch
-
-        members = [""] * world_size
-        for r, m, _ in others:
-            members[int(r)] = m
-        members[rank] = member_id
-        epoch = g.epoch + 1
-        tx.execute("DELETE FROM pending_joins WHERE job = ? AND grp = ?", (job, group))
-        tx.execute(
-            "INSERT INTO epochs (job, grp, epoch, world_size, start, members, diverged, "
-            "created_us) VALUES (?, ?, ?, ?, ?, ?, NULL, ?)",
-            (job, group, epoch, world_size, to_db(g.high_water), json.dumps(members), now),
-        )
-        # Raising the group's epoch fences every older one.
-        tx.execute("UPDATE groups SET epoch = ? WHERE job = ? AND grp = ?", (epoch, job, group))
-        self._audit(
-            tx,
+        request = JoinRequest(
             job,
             group,
-            "epoch",
+            rank,
+            world_size,
+            member_id,
+            job_seed,
+            min(timeout_s, self._max_join_timeout_s),
             actor,
-            {
-                "epoch": epoch,
-                "world_size": world_size,
-                "start": g.high_water,
-                "members": members,
-                "previous_epoch": g.epoch,
-            },
+            peer,
         )
-        return JoinResult(epoch, g.seed, g.high_water, stored, tuple(members))
-
-    def _join_timeout_tx(
-        self,
-        tx: Tx,
-        job: str,
-        group: str,
-        rank: int,
-        world_size: int,
-        member_id: str,
-        base_epoch: int,
-        timeout_s: float,
-        actor: str,
-    ) -> JoinResult | tuple[str, list[int]]:
-        """Withdraw the caller's pending join; return the epoch if it formed after all, else
-        why the barrier did not complete and the ranks that are missing.
-
-        The caller's row is withdrawn by expiring it rather than deleting it: no barrier counts
-        it any more (joins drop expired rows first), yet peers timing out at the same moment
-        still see that this rank did join, so they name only the ranks that never came.
-        """
-        formed = self._joined_since(tx, job, group, rank, member_id, base_epoch)
-        if formed is not None:
-            return formed
-        g = _require_group(tx, job, group)
-        if g.epoch > base_epoch:
-            return f"epoch {g.epoch} formed without rank {rank} member {member_id!r}; rejoin", []
-        pending = tx.fetchall(
-            "SELECT rank, member_id, world_size FROM pending_joins WHERE job = ? AND grp = ?",
-            (job, group),
+        result = await self._barriers.join(request)
+        if not include_members:
+            return result
+        rows = await self._read(
+            lambda tx: queries.members_page(tx, job, group, result.epoch, 0, result.world_size)
         )
-        holder = next((m for r, m, _ in pending if int(r) == rank), member_id)
-        if holder != member_id:
-            return f"rank {rank} is now joining as member {holder!r}, not {member_id!r}", []
-        present = {int(r) for r, _, ws in pending if int(ws) == world_size} | {rank}
-        missing = [r for r in range(world_size) if r not in present]
-        if any(int(r) == rank for r, _, _ in pending):
-            tx.execute(
-                "UPDATE pending_joins SET expires_us = ? WHERE job = ? AND grp = ? AND rank = ?",
-                (self._clock(), job, group, rank),
-            )
-            self._audit(
-                tx,
-                job,
-                group,
-                "join_timeout",
-                actor,
-                {
-                    "rank": rank,
-                    "world_size": world_size,
-                    "missing": missing,
-                    "timeout_s": timeout_s,
-                },
-            )
-        return f"ranks {_ranks(missing)} of world size {world_size} did not join", missing
+        members = tuple("" if left is not None else m for _, m, left in rows)
+        return JoinResult(
+            result.epoch,
+            result.seed,
+            result.start,
+            result.job_seed,
+            result.world_size,
+            result.members_digest,
+            members,
+        )
 
-    # -------------------------------------------------------------------------- reserve
+    # ------------------------------------------------------------------------ reserve
 
-    def reserve(
+    async def reserve(
         self,
         job: str,
         group: str,
+        *,
         epoch: int,
         seq: int,
         size: int,
         fingerprint: bytes,
         rank: int,
         member_id: str,
-        actor: str,
-    ) -> ReserveResult:
+        actor: str = "",
+    ) -> Lease:
         """Return the lease (epoch, seq) of the group, granting it durably if it is new.
 
         Lease seq k starts where lease k-1 ended (seq 0 at the epoch's start), unless a
@@ -789,13 +354,14 @@ class Coordinator:
             fingerprint: digest of the random ops the caller ran, 1 to 64 bytes.
             rank: the caller's rank in the epoch.
             member_id: the caller's member id; (rank, member_id) must be in the epoch.
-            actor: who asks, for the audit log.
+            actor: who asks, for the audit log. Default "".
 
         Raises:
             InvalidArgument: a malformed field.
             NotFound: unknown job, group or epoch.
             StaleEpoch: the epoch has been replaced.
-            FailedPrecondition: the caller is not a member, or seq - 1 is not granted yet.
+            NotMember: (rank, member_id) is not a member of the epoch.
+            FailedPrecondition: SEQ_OUT_OF_ORDER: seq - 1 is not granted yet.
             Divergence: the key was granted with another size or fingerprint, now or before.
             ResourceExhausted: the lease would end past 2^64 - 4.
         """
@@ -808,34 +374,109 @@ class Coordinator:
             check_fingerprint(fingerprint)
             check_rank(rank)
             check_member_id(member_id)
-
-        row = self._read_row(_RESERVE_LOOKUP, (seq, job, group))
-        if row is None:
-            # Unknown job or group: a read of its own says which. Should the group have been
-            # created since, the write below re-checks everything.
-            self._store.read(lambda tx: _require_group(tx, job, group))
-        else:
-            seed, current, members, diverged, start, end, granted_size, granted_fp = row
-            _check_epoch(current, job, group, epoch)
-            if members is None:
-                raise RuntimeError(f"group {group!r} of job {job!r} lacks its epoch {epoch} row")
-            if not _has(_members(members), rank, member_id):
-                raise _not_member(job, group, epoch, rank, member_id)
-            if diverged is not None:
-                raise _diverged(job, group, epoch, diverged)
-            if start is not None and granted_size == to_db(size) and granted_fp == fingerprint:
-                return ReserveResult(
-                    group, epoch, seq, from_db(seed), from_db(start), from_db(end), True
-                )
-        return self._store.write(
-            lambda tx: self._reserve_tx(
-                tx, job, group, epoch, seq, size, fingerprint, rank, member_id, actor
+        hit = self._hit(job, group, epoch, seq, size, fingerprint, rank, member_id)
+        if hit is None:
+            hit = await self._read_hit(job, group, epoch, seq, size, fingerprint, rank, member_id)
+        if hit is not None:
+            return hit
+        lease = await self._write(
+            functools.partial(
+                self._grant_tx,
+                job=job,
+                group=group,
+                epoch=epoch,
+                seq=seq,
+                size=size,
+                fingerprint=fingerprint,
+                rank=rank,
+                member_id=member_id,
+                actor=actor,
+                now_us=self._clock.now_us(),
             )
         )
+        if isinstance(lease, Divergence):
+            self._cache.groups.drop((job, group))
+            raise lease
+        self._cache.leases.put(
+            (job, group, epoch, seq),
+            queries.LeaseRow(lease.start, lease.end, size, fingerprint),
+        )
+        return lease
 
-    def _reserve_tx(
+    def _hit(
+        self,
+        job: str,
+        group: str,
+        epoch: int,
+        seq: int,
+        size: int,
+        fingerprint: bytes,
+        rank: int,
+        member_id: str,
+    ) -> Lease | None:
+        """The lease from memory, or None when memory cannot answer (or a grant must)."""
+        if not self._feed.fresh():
+            return None
+        state = self._cache.groups.get((job, group))
+        if state is None or epoch > state.epoch:
+            return None  # a newer epoch may have formed elsewhere: ask the store
+        _check_epoch(state.epoch, job, group, epoch)
+        if state.diverged is not None:
+            raise _diverged(job, group, epoch, state.diverged)
+        member = self._cache.members.get((job, group, epoch, rank))
+        lease = self._cache.leases.get((job, group, epoch, seq))
+        if member is None or lease is None:
+            return None
+        if member != member_id:
+            raise _not_member(job, group, epoch, rank, member_id)
+        if lease.size != size or lease.fingerprint != fingerprint:
+            return None  # a divergence: the grant path records it
+        return Lease(group, epoch, seq, state.seed, lease.start, lease.end, True)
+
+    async def _read_hit(
+        self,
+        job: str,
+        group: str,
+        epoch: int,
+        seq: int,
+        size: int,
+        fingerprint: bytes,
+        rank: int,
+        member_id: str,
+    ) -> Lease | None:
+        """The lease from one store read, filling the cache; None when it must be granted."""
+        row = await self._read(
+            lambda tx: tx.fetchone(queries.RESERVE_LOOKUP, (rank, seq, job, group))
+        )
+        if row is None:
+            job_exists = await self._read(lambda tx: queries.job_seed(tx, job) is not None)
+            raise _not_found(job, group, job_exists)
+        seed_db, current, diverged, member, left_us, start, end, granted_size, granted_fp = row
+        seed = from_db(seed_db)
+        self._cache.groups.put((job, group), GroupState(seed, int(current), diverged))
+        _check_epoch(int(current), job, group, epoch)
+        if member is not None:
+            self._cache.members.put(
+                (job, group, epoch, rank), "" if left_us is not None else member
+            )
+        if member is None or left_us is not None or member != member_id:
+            raise _not_member(job, group, epoch, rank, member_id)
+        if diverged is not None:
+            raise _diverged(job, group, epoch, diverged)
+        if start is None:
+            return None
+        lease = queries.LeaseRow(
+            from_db(start), from_db(end), from_db(granted_size), bytes(granted_fp)
+        )
+        self._cache.leases.put((job, group, epoch, seq), lease)
+        if lease.size != size or lease.fingerprint != fingerprint:
+            return None
+        return Lease(group, epoch, seq, seed, lease.start, lease.end, True)
+
+    def _grant_tx(
         self,
         tx: Tx,
+        *,
         job: str,
         group: str,
         epoch: int,
@@ -845,59 +486,36 @@ class Coordinator:
         rank: int,
         member_id: str,
         actor: str,
-    ) -> ReserveResult:
-        row = tx.fetchone(_RESERVE_STATE, (seq, seq - 1, seq, job, group))
-        if row is None:
-            _require_group(tx, job, group)
-            raise RuntimeError("audit_head has no row: the schema migration did not run")
-        (
-            seed_db,
-            current,
-            high_water,
-            epoch_start,
-            members,
-            diverged,
-            granted_start,
-            granted_end,
-            granted_size,
-            granted_fp,
-            granted_rank,
-            previous_end,
-            cursor,
-            last_id,
-            last_hash,
-        ) = row
-        _check_epoch(current, job, group, epoch)
-        if members is None:
-            raise RuntimeError(f"group {group!r} of job {job!r} lacks its epoch {epoch} row")
-        if not _has(_members(members), rank, member_id):
+        now_us: int,
+    ) -> Lease | Divergence:
+        """Grant (epoch, seq) inside the writer's transaction, re-checking everything.
+
+        A divergence is returned rather than raised: its record must commit.
+        """
+        state = queries.reserve_state(tx, job, group, rank, seq)
+        if state is None:
+            raise _not_found(job, group, queries.job_seed(tx, job) is not None)
+        _check_epoch(state.epoch, job, group, epoch)
+        if state.member_id is None or state.left or state.member_id != member_id:
             raise _not_member(job, group, epoch, rank, member_id)
-        if diverged is not None:
-            raise _diverged(job, group, epoch, diverged)
-        seed = from_db(seed_db)
-        head = (int(last_id), str(last_hash))
-        now = self._clock()
-        if granted_start is not None:
-            lease_size, lease_fp = from_db(granted_size), bytes(granted_fp)
-            if lease_size == size and lease_fp == fingerprint:
-                return ReserveResult(
-                    group, epoch, seq, seed, from_db(granted_start), from_db(granted_end), True
-                )
+        if state.diverged is not None:
+            raise _diverged(job, group, epoch, state.diverged)
+        granted = state.granted
+        if granted is not None:
+            if granted.size == size and granted.fingerprint == fingerprint:
+                return Lease(group, epoch, seq, state.seed, granted.start, granted.end, True)
             message = (
                 f"divergence in group {group!r} epoch {epoch} seq {seq}: rank {rank} asked for "
-                f"size={size} fingerprint={fingerprint.hex()} but rank {granted_rank} was "
-                f"granted size={lease_size} fingerprint={lease_fp.hex()}; the ranks "
+                f"size={size} fingerprint={fingerprint.hex()} but rank {state.granted_rank} was "
+                f"granted size={granted.size} fingerprint={granted.fingerprint.hex()}; the ranks "
                 "disagree about the sequence of random ops"
             )
-            ranks = sorted({rank, int(granted_rank)})
-            record = {"message": message, "seq": seq, "ranks": ranks}
-            tx.execute(
-                "UPDATE epochs SET diverged = ? WHERE job = ? AND grp = ? AND epoch = ?",
-                (json.dumps(record), job, group, epoch),
-            )
+            ranks = sorted({rank, state.granted_rank or 0})
+            record = json.dumps({"message": message, "seq": seq, "ranks": ranks})
+            queries.set_diverged(tx, job, group, epoch, record)
             audit.append(
                 tx,
-                ts_us=now,
+                ts_us=now_us,
                 job=job,
                 group=group,
                 kind="divergence",
@@ -908,19 +526,19 @@ class Coordinator:
                     "rank": rank,
                     "size": size,
                     "fingerprint": fingerprint.hex(),
-                    "granted_rank": int(granted_rank),
-                    "granted_size": lease_size,
-                    "granted_fingerprint": lease_fp.hex(),
+                    "granted_rank": state.granted_rank,
+                    "granted_size": granted.size,
+                    "granted_fingerprint": granted.fingerprint.hex(),
                 },
-                head=head,
+                head=state.head,
             )
-            raise _diverged(job, group, epoch, json.dumps(record))
-
-        if cursor is not None:
-            start = from_db(cursor)
+            return _diverged(job, group, epoch, record)
+        if state.restored_cursor is not None:
+            start = state.restored_cursor
         elif seq == 0:
-            start = from_db(epoch_start)
-        elif previous_end is None:
+            assert state.epoch_start is not None
+            start = state.epoch_start
+        elif state.previous_end is None:
             raise FailedPrecondition(
                 f"lease seq {seq} of group {group!r} epoch {epoch} requested before seq {seq - 1}",
                 reason=pb.SEQ_OUT_OF_ORDER,
@@ -930,7 +548,7 @@ class Coordinator:
                 seq=seq,
             )
         else:
-            start = from_db(previous_end)
+            start = state.previous_end
         end = start + size
         if end > MAX_OFFSET:
             raise ResourceExhausted(
@@ -941,31 +559,21 @@ class Coordinator:
                 start=start,
                 size=size,
             )
-        tx.execute(
-            'INSERT INTO leases (job, grp, epoch, seq, start, "end", size, fingerprint, rank, '
-            "member_id, created_us) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                job,
-                group,
-                epoch,
-                seq,
-                to_db(start),
-                to_db(end),
-                to_db(size),
-                fingerprint,
-                rank,
-                member_id,
-                now,
-            ),
+        queries.insert_lease(
+            tx,
+            job,
+            group,
+            epoch,
+            seq,
+            queries.LeaseRow(start, end, size, fingerprint),
+            rank=rank,
+            member_id=member_id,
+            now_us=now_us,
+            high_water=state.high_water,
         )
-        if to_db(end) > high_water:
-            tx.execute(
-                "UPDATE groups SET high_water = ? WHERE job = ? AND grp = ?",
-                (to_db(end), job, group),
-            )
         audit.append(
             tx,
-            ts_us=now,
+            ts_us=now_us,
             job=job,
             group=group,
             kind="grant",
@@ -973,37 +581,29 @@ class Coordinator:
             detail={
                 "epoch": epoch,
                 "seq": seq,
-                "seed": seed,
+                "seed": state.seed,
                 "start": start,
                 "end": end,
                 "size": size,
                 "fingerprint": fingerprint.hex(),
                 "rank": rank,
             },
-            head=head,
+            head=state.head,
         )
-        return ReserveResult(group, epoch, seq, seed, start, end, False)
+        return Lease(group, epoch, seq, state.seed, start, end, False)
 
-    # ---------------------------------------------------------------------------- leave
+    # -------------------------------------------------------------------------- leave
 
-    def leave(
-        self, job: str, group: str, epoch: int, rank: int, member_id: str, actor: str
+    async def leave(
+        self, job: str, group: str, *, epoch: int, rank: int, member_id: str, actor: str = ""
     ) -> None:
         """Record that a member leaves its epoch; the epoch stays valid for the others.
 
         Repeating a leave whose rank has already left is a no-op.
 
-        Args:
-            job: the job's name.
-            group: the group's name.
-            epoch: the member's epoch; it must be the current one.
-            rank: the member's rank.
-            member_id: the member's id.
-            actor: who asks, for the audit log.
-
         Raises:
             InvalidArgument, NotFound, StaleEpoch: as for `reserve`.
-            FailedPrecondition: another member holds that rank.
+            NotMember: another member holds that rank.
         """
         with _fields():
             check_name("job", job)
@@ -1012,101 +612,111 @@ class Coordinator:
             check_rank(rank)
             check_member_id(member_id)
 
-        def slot(tx: Tx) -> _Epoch | None:
-            """The epoch when the caller has to leave it, None when it has already left."""
-            g = _require_group(tx, job, group)
+        def leave_tx(tx: Tx, now_us: int) -> bool:
+            g = queries.group_row(tx, job, group)
+            if g is None:
+                raise _not_found(job, group, queries.job_seed(tx, job) is not None)
             _check_epoch(g.epoch, job, group, epoch)
-            e = _epoch(tx, job, group, epoch)
-            if rank < len(e.members) and e.members[rank] == "":
-                return None
-            if not e.has(rank, member_id):
+            found = queries.member(tx, job, group, epoch, rank)
+            if found is None or found[0] != member_id:
                 raise _not_member(job, group, epoch, rank, member_id)
-            return e
-
-        def leave_tx(tx: Tx) -> None:
-            e = slot(tx)
-            if e is None:
-                return
-            members = list(e.members)
-            members[rank] = ""
-            tx.execute(
-                "UPDATE epochs SET members = ? WHERE job = ? AND grp = ? AND epoch = ?",
-                (json.dumps(members), job, group, epoch),
-            )
-            self._audit(
+            if found[1] is not None:
+                return False
+            queries.set_left(tx, job, group, epoch, rank, now_us)
+            audit.append(
                 tx,
-                job,
-                group,
-                "leave",
-                actor,
-                {"epoch": epoch, "rank": rank, "member_id": member_id},
+                ts_us=now_us,
+                job=job,
+                group=group,
+                kind="leave",
+                actor=actor,
+                detail={"epoch": epoch, "rank": rank, "member_id": member_id},
             )
+            return True
 
-        if self._store.read(slot) is not None:
-            self._store.write(leave_tx)
+        if await self._write(functools.partial(leave_tx, now_us=self._clock.now_us())):
+            self._cache.members.put((job, group, epoch, rank), "")
 
-    # ------------------------------------------------------------------------ get_group
+    # ---------------------------------------------------------------------- get_group
 
-    def get_group(self, job: str, group: str) -> GroupInfo:
-        """Describe a group: seeds, current epoch and members, high-water mark, lease count.
+    async def get_group(
+        self, job: str, group: str, *, members_from: int = 0, members_limit: int = 0
+    ) -> GroupInfo:
+        """Describe a group, with a page of its current epoch's members.
+
+        Args:
+            job: the job's name.
+            group: the group's name.
+            members_from: the first rank of the page. Default 0.
+            members_limit: most members in the page; 0 for the default (1024). At most 65536.
 
         Raises:
-            InvalidArgument: a malformed name.
+            InvalidArgument: a malformed name or page.
             NotFound: unknown job or group.
         """
         with _fields():
             check_name("job", job)
             check_name("group", group)
+            check_rank(members_from)
+        if not 0 <= members_limit <= MAX_MEMBERS_PAGE:
+            raise InvalidArgument(
+                f"invalid members_limit {members_limit}: it must be in [0, {MAX_MEMBERS_PAGE}]",
+                field="members_limit",
+                value=members_limit,
+            )
+        limit = members_limit or MEMBERS_PAGE
 
         def read(tx: Tx) -> GroupInfo:
-            g = _require_group(tx, job, group)
-            stored = _job_seed(tx, job)
-            assert stored is not None  # the group exists, so its job does
-            members: tuple[str, ...] = ()
-            leases = 0
-            if g.epoch:
-                members = _epoch(tx, job, group, g.epoch).members
-                row = tx.fetchone(
-                    "SELECT COUNT(*) FROM leases WHERE job = ? AND grp = ? AND epoch = ?",
-                    (job, group, g.epoch),
-                )
-                leases = 0 if row is None else int(row[0])
-            return GroupInfo(job, group, g.seed, g.epoch, members, g.high_water, leases, stored)
+            g = queries.group_row(tx, job, group)
+            stored = queries.job_seed(tx, job)
+            if g is None or stored is None:
+                raise _not_found(job, group, stored is not None)
+            if not g.epoch:
+                return GroupInfo(job, group, g.seed, 0, 0, b"", (), 0, 0, g.high_water, 0, stored)
+            row = queries.epoch_row(tx, job, group, g.epoch)
+            assert row is not None
+            page = queries.members_page(tx, job, group, g.epoch, members_from, limit)
+            members = tuple("" if left is not None else m for _, m, left in page)
+            return GroupInfo(
+                job,
+                group,
+                g.seed,
+                g.epoch,
+                row.world_size,
+                row.members_digest,
+                members,
+                members_from,
+                min(row.world_size, members_from + limit),
+                g.high_water,
+                queries.lease_count(tx, job, group, g.epoch),
+                stored,
+            )
 
-        return self._store.read(read)
+        return await self._read(read)
 
-    # -------------------------------------------------------------------------- restore
+    # ------------------------------------------------------------------------ restore
 
-    def restore(
+    async def restore(
         self,
         job: str,
         group: str,
+        *,
         epoch: int,
         seq: int,
         cursor: int,
         rank: int,
         member_id: str,
-        actor: str,
+        actor: str = "",
     ) -> RestoreResult:
         """Make lease `seq` of the current epoch start at `cursor` (a bitwise-exact resume).
 
         It may reuse offsets granted before; the audit log records it. Repeating the same
         Restore returns existing=True without a write.
 
-        Args:
-            job: the job's name.
-            group: the group's name.
-            epoch: the current epoch.
-            seq: the first lease that starts at `cursor`; it must not be granted yet.
-            cursor: a multiple of 4 in [0, 2^64 - 4].
-            rank: the caller's rank.
-            member_id: the caller's member id; (rank, member_id) must be in the epoch.
-            actor: who asks, for the audit log.
-
         Raises:
-            InvalidArgument, NotFound, StaleEpoch: as for `reserve`.
-            FailedPrecondition: the caller is not a member, the seq is already granted, or
-                it was restored to another cursor.
+            InvalidArgument, NotFound, StaleEpoch, NotMember: as for `reserve`.
+            FailedPrecondition: RESTORE_CONFLICT: the seq is already granted, or restored to
+                another cursor.
         """
         with _fields():
             check_name("job", job)
@@ -1117,11 +727,17 @@ class Coordinator:
             check_rank(rank)
             check_member_id(member_id)
 
-        def recorded(tx: Tx) -> _Group | None:
-            """The group when the restore is new; None when it is recorded already."""
+        def recorded(tx: Tx) -> int | None:
+            """The group's high-water mark when the restore is new; None when it is recorded."""
+            g = queries.group_row(tx, job, group)
+            if g is None:
+                raise _not_found(job, group, queries.job_seed(tx, job) is not None)
+            _check_epoch(g.epoch, job, group, epoch)
+            found = queries.member(tx, job, group, epoch, rank)
+            if found is None or found[1] is not None or found[0] != member_id:
+                raise _not_member(job, group, epoch, rank, member_id)
             conflict = {"job": job, "group": group, "epoch": epoch, "seq": seq, "cursor": cursor}
-            g, _ = _member_epoch(tx, job, group, epoch, rank, member_id)
-            earlier = _restore_cursor(tx, job, group, epoch, seq)
+            earlier = queries.restore_cursor(tx, job, group, epoch, seq)
             if earlier == cursor:
                 return None
             if earlier is not None:
@@ -1131,45 +747,43 @@ class Coordinator:
                     reason=pb.RESTORE_CONFLICT,
                     **conflict,
                 )
-            if _lease(tx, job, group, epoch, seq) is not None:
+            if queries.lease_row(tx, job, group, epoch, seq) is not None:
                 raise FailedPrecondition(
                     f"lease {seq} of group {group!r} epoch {epoch} already granted: restore "
                     "a seq that has not been reserved yet",
                     reason=pb.RESTORE_CONFLICT,
                     **conflict,
                 )
-            return g
+            return g.high_water
 
-        def restore_tx(tx: Tx) -> bool:
-            g = recorded(tx)
-            if g is None:
+        def restore_tx(tx: Tx, now_us: int) -> bool:
+            high_water = recorded(tx)
+            if high_water is None:
                 return True
-            tx.execute(
-                'INSERT INTO restores (job, grp, epoch, seq, "cursor", created_us) '
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (job, group, epoch, seq, to_db(cursor), self._clock()),
-            )
-            self._audit(
+            queries.insert_restore(tx, job, group, epoch, seq, cursor, now_us)
+            audit.append(
                 tx,
-                job,
-                group,
-                "restore",
-                actor,
-                {
+                ts_us=now_us,
+                job=job,
+                group=group,
+                kind="restore",
+                actor=actor,
+                detail={
                     "epoch": epoch,
                     "seq": seq,
                     "cursor": cursor,
-                    "high_water": g.high_water,
+                    "high_water": high_water,
                     "rank": rank,
                 },
             )
             return False
 
-        if self._store.read(recorded) is None:
+        if await self._read(recorded) is None:
             return RestoreResult(cursor, existing=True)
-        return RestoreResult(cursor, existing=self._store.write(restore_tx))
+        existing = await self._write(functools.partial(restore_tx, now_us=self._clock.now_us()))
+        return RestoreResult(cursor, existing=existing)
 
-    # ----------------------------------------------------------------------- list_audit
+    # --------------------------------------------------------------------- list_audit
 
     def list_audit(
         self,
@@ -1179,8 +793,9 @@ class Coordinator:
         since_us: int = 0,
         until_us: int = 0,
         limit: int = 0,
-    ) -> Iterator[AuditRecord]:
-        """Audit records in chain order, oldest first, read page by page.
+    ) -> AsyncIterator[AuditRecord]:
+        """Audit records in chain order, oldest first, read page by page as the caller
+        consumes them (a stream that is not read holds nothing but its position).
 
         Validation happens at the call; the store is read as the iterator advances.
 
@@ -1206,10 +821,9 @@ class Coordinator:
                 field="limit",
                 value=limit,
             )
-        kinds = tuple(kinds)
-        return self._audit_pages(job, group, kinds, since_us, until_us, limit)
+        return self._audit_pages(job, group, tuple(kinds), since_us, until_us, limit)
 
-    def _audit_pages(
+    async def _audit_pages(
         self,
         job: str,
         group: str,
@@ -1217,11 +831,13 @@ class Coordinator:
         since_us: int,
         until_us: int,
         limit: int,
-    ) -> Iterator[AuditRecord]:
+    ) -> AsyncIterator[AuditRecord]:
         after_id, left = 0, limit or math.inf
         while left > 0:
             size = int(min(_AUDIT_PAGE, left))
-            page = self._store.read(
+            page: list[AuditRecord] = await asyncio.get_running_loop().run_in_executor(
+                self._readers,
+                self._store.read,
                 functools.partial(
                     audit.fetch_page,
                     after_id=after_id,
@@ -1231,9 +847,10 @@ class Coordinator:
                     kinds=kinds,
                     since_us=since_us,
                     until_us=until_us,
-                )
+                ),
             )
-            yield from page
+            for record in page:
+                yield record
             if len(page) < size:
                 return
             after_id = page[-1].id

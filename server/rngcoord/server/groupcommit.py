@@ -102,20 +102,24 @@ class GroupCommitWriter:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[Tx], T]) -> T:
-        """Run `fn` in the next batch; return its result once the batch has committed.
+    def submit(self, fn: Callable[[Tx], T]) -> Future[T]:
+        """Queue `fn` for the next batch; the future completes once the batch has committed.
 
-        Raises:
-            CoordinatorError: what `fn` raised, or `Unavailable` when the batch could not
-                commit or the writer is closed.
-            Exception: any other exception `fn` raised (its writes are rolled back).
+        The future's exception is what `fn` raised (a `CoordinatorError`, or any other
+        exception, whose writes are rolled back), or `Unavailable` when the batch could not
+        commit or the writer is closed.
         """
-        op = _Op(fn, Future())
+        future: Future[T] = Future()
         with self._lock:
             if self._closed:
-                raise Unavailable("store is closed")
-            self._queue.put(op)
-        return cast(T, op.future.result())
+                future.set_exception(Unavailable("store is closed"))
+                return future
+            self._queue.put(_Op(fn, future))
+        return future
+
+    def write(self, fn: Callable[[Tx], T]) -> T:
+        """Run `fn` in the next batch and wait for the commit; return its result."""
+        return self.submit(fn).result()
 
     def close(self) -> None:
         """Run the operations already submitted, then stop the thread. Idempotent."""

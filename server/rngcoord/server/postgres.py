@@ -33,6 +33,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
 
@@ -56,6 +57,10 @@ MIGRATION_LOCK_KEY: Final = 0x726E67636F6F7264
 """The advisory-lock key ("rngcoord" in ASCII) that orders concurrent migrations."""
 
 _LOCK_HEAD = "SELECT last_id FROM audit_head WHERE id = 1 FOR UPDATE"
+
+CHANGES_CHANNEL: Final = "rngcoord_changes"
+"""Every write transaction sends a NOTIFY on this channel, delivered when it commits: the
+replicas' change feeds (rngcoord.server.feed) listen to it."""
 _BEGIN_READ = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
 
 # SQLSTATEs after which a transaction certainly did not commit and may simply run again:
@@ -117,8 +122,12 @@ class PostgresTx:
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         self._conn = conn
 
-    def execute(self, sql: str, params: Sequence[object] = ()) -> None:
-        self._conn.execute(convert_placeholders(sql), tuple(params))
+    def execute(self, sql: str, params: Sequence[object] = ()) -> int:
+        return self._conn.execute(convert_placeholders(sql), tuple(params)).rowcount
+
+    def executemany(self, sql: str, params: Sequence[Sequence[object]]) -> None:
+        with self._conn.cursor() as cursor:
+            cursor.executemany(convert_placeholders(sql), [tuple(row) for row in params])
 
     def fetchone(self, sql: str, params: Sequence[object] = ()) -> tuple[Any, ...] | None:
         row: tuple[Any, ...] | None = self._conn.execute(
@@ -328,6 +337,7 @@ class PostgresStore:
         conn = self._conn
         if conn is None:
             raise _CommitOutcomeUnknown(f"no connection to {self.url} to commit on")
+        conn.execute(f"NOTIFY {CHANGES_CHANNEL}")
         try:
             conn.execute("COMMIT")
         except psycopg.Error as exc:
@@ -358,6 +368,10 @@ class PostgresStore:
         Raises:
             Unavailable: the batch could not commit, even after retries.
         """
+        return self._writer.write(fn)
+
+    def submit(self, fn: Callable[[Tx], T]) -> Future[T]:
+        """`write` without waiting; see `Store.submit`."""
         return self._writer.submit(fn)
 
     # -------------------------------------------------------------------------- reads
@@ -430,6 +444,37 @@ class PostgresStore:
             self._pool.check()
             time.sleep(self._backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
             attempt += 1
+
+    # ------------------------------------------------------------------------ changes
+
+    def listen(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` (from a listener thread) whenever any replica commits a write, and
+        once after every (re)connection, since notifications sent meanwhile are lost. Returns
+        a function that stops listening."""
+        stopped = threading.Event()
+
+        def run() -> None:
+            while not stopped.is_set():
+                try:
+                    with psycopg.connect(
+                        self._conninfo, autocommit=True, **self._connect_kwargs("rngcoord-listener")
+                    ) as conn:
+                        conn.execute(f"LISTEN {CHANGES_CHANNEL}")
+                        callback()
+                        while not stopped.is_set():
+                            for _ in conn.notifies(timeout=0.5):
+                                callback()
+                except psycopg.Error:
+                    stopped.wait(1.0)
+
+        thread = threading.Thread(target=run, name="rngcoord-postgres-listener", daemon=True)
+        thread.start()
+
+        def stop() -> None:
+            stopped.set()
+            thread.join(timeout=5)
+
+        return stop
 
     # -------------------------------------------------------------------------- close
 

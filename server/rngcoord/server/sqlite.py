@@ -14,6 +14,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,8 +44,11 @@ class SqliteTx:
     def __init__(self, conn: sqlite3.Connection) -> None:
         self._conn = conn
 
-    def execute(self, sql: str, params: Sequence[object] = ()) -> None:
-        self._conn.execute(sql, tuple(params))
+    def execute(self, sql: str, params: Sequence[object] = ()) -> int:
+        return self._conn.execute(sql, tuple(params)).rowcount
+
+    def executemany(self, sql: str, params: Sequence[Sequence[object]]) -> None:
+        self._conn.executemany(sql, [tuple(row) for row in params])
 
     def fetchone(self, sql: str, params: Sequence[object] = ()) -> tuple[Any, ...] | None:
         row: tuple[Any, ...] | None = self._conn.execute(sql, tuple(params)).fetchone()
@@ -94,7 +98,7 @@ class SqliteStore:
         self._readers_lock = threading.Lock()
         self._closed = False
         try:
-            self._writer.submit(lambda tx: apply_migrations(tx, "sqlite"))
+            self._writer.write(lambda tx: apply_migrations(tx, "sqlite"))
         except BaseException:
             self.close()
             raise
@@ -168,7 +172,20 @@ class SqliteStore:
 
     def write(self, fn: Callable[[Tx], T]) -> T:
         """Run `fn` in the next group commit; durable (WAL fsynced) on return."""
+        return self._writer.write(fn)
+
+    def submit(self, fn: Callable[[Tx], T]) -> Future[T]:
+        """`write` without waiting; see `Store.submit`."""
         return self._writer.submit(fn)
+
+    def data_version(self) -> int:
+        """SQLite's `PRAGMA data_version` on this thread's reader connection: it changes
+        whenever another connection (another thread's, another process's) commits, and costs no
+        lock, so the coordinator's change feed polls it before reading the audit tail."""
+        if self._closed:
+            raise Unavailable("store is closed")
+        row = self._reader().execute("PRAGMA data_version").fetchone()
+        return int(row[0])
 
     def close(self) -> None:
         """Finish queued writes, then close every connection. Idempotent."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from importlib import resources
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -50,8 +51,12 @@ def from_db(value: int) -> int:
 class Tx(Protocol):
     """One open transaction. Statements use `?` placeholders."""
 
-    def execute(self, sql: str, params: Sequence[object] = ()) -> None:
-        """Run a statement whose rows (if any) are not needed."""
+    def execute(self, sql: str, params: Sequence[object] = ()) -> int:
+        """Run a statement whose rows (if any) are not needed; return the rows it changed."""
+        ...
+
+    def executemany(self, sql: str, params: Sequence[Sequence[object]]) -> None:
+        """Run one statement once per parameter row (one round trip where the driver can)."""
         ...
 
     def fetchone(self, sql: str, params: Sequence[object] = ()) -> tuple[Any, ...] | None:
@@ -81,6 +86,11 @@ class Store(Protocol):
         (unless the error has `keep_writes`) and is raised here; a failed commit raises
         `Unavailable`.
         """
+        ...
+
+    def submit(self, fn: Callable[[Tx], T]) -> Future[T]:
+        """`write` without waiting: the future completes as `write` would return or raise. The
+        coordinator's event loop awaits it, so no thread waits on a commit."""
         ...
 
     def close(self) -> None:

@@ -1,0 +1,529 @@
+"""Join barriers: epochs formed from the joins of a group's ranks, with no thread per waiter.
+
+A join is a coroutine. It waits on a future, never on a thread, so 10^5 ranks can wait on one
+group while the server keeps answering everything else; a caller that cancels (or whose
+connection drops) is withdrawn at once.
+
+Arrivals are written in batches. The joins of one group that arrive while that group's
+previous batch is being written are written together, in one operation of the store's
+group-commit writer: one savepoint for the whole batch, one `executemany` of its pending rows,
+and O(1) statements besides. The barrier's state is two counters on the group's row
+(`barrier_size`, `barrier_count`), so no statement reads all the waiting ranks until the epoch
+forms. Expired pending rows (of waiters whose server died) are swept by the next batch, each
+row once.
+
+When the count reaches the world size, that batch forms the epoch in the same transaction: the
+pending rows become the epoch's `members`, their digest is recorded, the group's epoch rises
+(fencing every older one) and an `epoch` audit record is appended. The waiters of this process
+wake at once; those of other processes (workers, replicas) wake when their change feed
+(rngcoord.server.feed) reads the audit record.
+
+A waiter whose deadline passes withdraws its pending row (if it still holds it), appends a
+`join_timeout` record naming up to 16 missing ranks, and fails with JOIN_TIMEOUT. The deadline
+comes from the injectable clock (rngcoord.server.clock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from rngcoord.server import audit, queries
+from rngcoord.server.clock import Clock
+from rngcoord.server.errors import CoordinatorError, FailedPrecondition, JoinTimeout
+from rngcoord.server.logs import event, get_logger
+from rngcoord.server.seeds import draw_job_seed, group_seed
+from rngcoord.server.store import Store, Tx
+from rngcoord.v1 import coordinator_pb2 as pb
+from rngcoord.v1.types import JoinResult, members_digest
+
+__all__ = ["Barriers", "JoinRequest", "rank_list", "ranks_text"]
+
+T = TypeVar("T")
+
+_LISTED_RANKS = 16
+_MAX_BATCH = 4096
+_log = get_logger("barrier")
+
+
+def ranks_text(ranks: Sequence[int], total: int | None = None) -> str:
+    """A rank list for a message, cut short when long: "[0, 1, ..., 15, ...] (N ranks)"."""
+    total = len(ranks) if total is None else total
+    if total <= _LISTED_RANKS and len(ranks) == total:
+        return str(list(ranks))
+    shown = ", ".join(str(r) for r in ranks[:_LISTED_RANKS])
+    return f"[{shown}, ...] ({total} ranks)"
+
+
+def rank_list(ranks: Sequence[int], total: int | None = None) -> str:
+    """A rank list for ErrorInfo metadata: "0,2,5", cut short past 16 as "0,...,15,+N"."""
+    total = len(ranks) if total is None else total
+    shown = ",".join(str(r) for r in ranks[:_LISTED_RANKS])
+    extra = total - min(len(ranks), _LISTED_RANKS)
+    return f"{shown},+{extra}" if extra > 0 else shown
+
+
+@dataclass(frozen=True, slots=True)
+class JoinRequest:
+    """One rank's join, validated.
+
+    Args:
+        job, group: the names.
+        rank: the rank, below `world_size`.
+        world_size: ranks that form the epoch.
+        member_id: the process incarnation.
+        job_seed: the root seed asked for, or None.
+        timeout_s: how long to wait.
+        actor: who asks, for the audit log.
+        peer: the caller's address, kept with its membership.
+    """
+
+    job: str
+    group: str
+    rank: int
+    world_size: int
+    member_id: str
+    job_seed: int | None
+    timeout_s: float
+    actor: str
+    peer: str
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    request: JoinRequest
+    formed: asyncio.Future[JoinResult] = field(default_factory=asyncio.Future)
+    # Its pending row is committed: an epoch that formed without it means it lost its place.
+    flushed: bool = False
+    # The caller went away before its pending row was committed: withdraw it once it is.
+    cancelled: bool = False
+
+
+@dataclass(slots=True)
+class _Group:
+    arrivals: list[tuple[_Waiter, asyncio.Future[JoinResult | None]]] = field(default_factory=list)
+    flushing: bool = False
+    waiters: set[_Waiter] = field(default_factory=set)
+
+
+_WAITING = object()
+
+
+class Barriers:
+    """The join barriers of one coordinator process.
+
+    Args:
+        store: where pending joins and epochs live.
+        read: runs a read-only function of a transaction from the event loop.
+        clock: the time source.
+        on_formed: called with (job, group, epoch) when this process forms an epoch, before
+            its waiters wake (the coordinator drops its cached state of the group).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        read: Callable[[Callable[[Tx], T]], Awaitable[T]],
+        clock: Clock,
+        on_formed: Callable[[str, str, int], None],
+    ) -> None:
+        self._store = store
+        self._read: Callable[[Callable[[Tx], Any]], Awaitable[Any]] = read
+        self._clock = clock
+        self._on_formed = on_formed
+        self._groups: dict[tuple[str, str], _Group] = {}
+
+    @property
+    def waiting(self) -> int:
+        """Joins of this process waiting for their epoch."""
+        return sum(len(g.waiters) for g in self._groups.values())
+
+    async def join(self, request: JoinRequest) -> JoinResult:
+        """Wait until the barrier of `request`'s group forms an epoch with this rank in it.
+
+        Raises:
+            FailedPrecondition: SEED_CONFLICT or WORLD_SIZE_MISMATCH.
+            JoinTimeout: the epoch did not form within `request.timeout_s`.
+            asyncio.CancelledError: the caller went away; its pending join was withdrawn.
+        """
+        deadline = self._clock.monotonic() + request.timeout_s
+        key = (request.job, request.group)
+        group = self._groups.setdefault(key, _Group())
+        waiter = _Waiter(request)
+        group.waiters.add(waiter)
+        decided: asyncio.Future[JoinResult | None] = asyncio.get_running_loop().create_future()
+        group.arrivals.append((waiter, decided))
+        if not group.flushing:
+            group.flushing = True
+            asyncio.get_running_loop().create_task(self._flush(key, group))
+        try:
+            # Shielded: a cancelled caller must not cancel the batch's decision about it.
+            outcome = await asyncio.shield(decided)
+            if outcome is not None:
+                return outcome
+            if waiter.formed.done():
+                return waiter.formed.result()
+            if not await self._clock.wait(
+                waiter.formed,  # type: ignore[arg-type]
+                deadline - self._clock.monotonic(),
+            ):
+                return await self._timed_out(waiter)
+            return waiter.formed.result()
+        except asyncio.CancelledError:
+            # The caller is gone: free its place now rather than at its expiry.
+            if not waiter.flushed:
+                waiter.cancelled = True  # _flush withdraws it once its row is written
+            elif not waiter.formed.done():
+                await asyncio.shield(self._withdraw(waiter, audit_timeout=False))
+            raise
+        finally:
+            group.waiters.discard(waiter)
+            self._forget(key, group)
+
+    def _forget(self, key: tuple[str, str], group: _Group) -> None:
+        idle = not group.waiters and not group.arrivals and not group.flushing
+        if idle and self._groups.get(key) is group:
+            del self._groups[key]
+
+    # ----------------------------------------------------------------------- batches
+
+    async def _flush(self, key: tuple[str, str], group: _Group) -> None:
+        """Write the group's arrivals in batches until none is left."""
+        try:
+            while group.arrivals:
+                batch, group.arrivals = group.arrivals[:_MAX_BATCH], group.arrivals[_MAX_BATCH:]
+                requests = [w.request for w, _ in batch]
+                drawn = draw_job_seed()
+                now_us = self._clock.now_us()
+                try:
+                    outcomes, formed = await asyncio.wrap_future(
+                        self._store.submit(
+                            functools.partial(
+                                self._batch_tx, requests=requests, drawn=drawn, now_us=now_us
+                            )
+                        )
+                    )
+                except Exception as exc:  # the store failed: every join of the batch fails
+                    for _, decided in batch:
+                        if not decided.done():
+                            decided.set_exception(exc)
+                    continue
+                # Waiters of earlier batches first: this batch's are decided below.
+                for result, members in formed:
+                    self._on_formed(key[0], key[1], result.epoch)
+                    self._wake(group, result, dict(members))
+                for (waiter, decided), outcome in zip(batch, outcomes, strict=True):
+                    if isinstance(outcome, BaseException):
+                        decided.set_exception(outcome)
+                    elif outcome is _WAITING:
+                        waiter.flushed = True
+                        decided.set_result(None)
+                        if waiter.cancelled and not waiter.formed.done():
+                            asyncio.get_running_loop().create_task(
+                                self._withdraw(waiter, audit_timeout=False)
+                            )
+                    else:
+                        assert isinstance(outcome, JoinResult)
+                        decided.set_result(outcome)
+        finally:
+            group.flushing = False
+            self._forget(key, group)
+
+    def _batch_tx(
+        self, tx: Tx, *, requests: Sequence[JoinRequest], drawn: int, now_us: int
+    ) -> tuple[list[object], list[tuple[JoinResult, list[tuple[int, str]]]]]:
+        """Record a batch of joins of one group; return each one's outcome (a JoinResult, an
+        exception, or _WAITING) and the epochs formed, with their members.
+
+        Pure function of the transaction: the writer may run it again on a retry.
+        """
+        job, group = requests[0].job, requests[0].group
+        first = requests[0]
+        stored = queries.job_seed(tx, job)
+        if stored is None:
+            asked = next((r.job_seed for r in requests if r.job_seed is not None), None)
+            stored = drawn if asked is None else asked
+            queries.insert_job(tx, job, stored, now_us)
+            audit.append(
+                tx,
+                ts_us=now_us,
+                job=job,
+                group="",
+                kind="job",
+                actor=first.actor,
+                detail={"seed": stored},
+            )
+        g = queries.group_row(tx, job, group)
+        if g is None:
+            g = queries.insert_group(tx, job, group, group_seed(stored, group))
+            audit.append(
+                tx,
+                ts_us=now_us,
+                job=job,
+                group=group,
+                kind="group",
+                actor=first.actor,
+                detail={"seed": g.seed},
+            )
+        count = max(0, g.barrier_count - queries.sweep_expired(tx, job, group, now_us))
+        size = g.barrier_size if count else 0
+        ranks = [r.rank for r in requests]
+        current = queries.epoch_row(tx, job, group, g.epoch) if g.epoch else None
+        in_current = queries.members_of_ranks(tx, job, group, g.epoch, ranks) if current else {}
+        pending = {
+            rank: row.member_id
+            for rank, row in queries.pending_of_ranks(tx, job, group, ranks).items()
+        }
+        epoch, high_water = g.epoch, g.high_water
+        outcomes: list[object] = []
+        formed: list[tuple[JoinResult, list[tuple[int, str]]]] = []
+        upserts: list[tuple[object, ...]] = []
+        waiting_since: list[int] = []  # outcomes decided _WAITING in the current barrier
+        for i, r in enumerate(requests):
+            if r.job_seed is not None and r.job_seed != stored:
+                outcomes.append(
+                    FailedPrecondition(
+                        f"job {job!r} has root seed {stored}; the request asked for {r.job_seed}",
+                        reason=pb.SEED_CONFLICT,
+                        job=job,
+                        seed=stored,
+                        requested_seed=r.job_seed,
+                    )
+                )
+                continue
+            if (
+                current is not None
+                and current.world_size == r.world_size
+                and in_current.get(r.rank) == r.member_id
+            ):
+                outcomes.append(
+                    JoinResult(
+                        epoch,
+                        g.seed,
+                        current.start,
+                        stored,
+                        current.world_size,
+                        current.members_digest,
+                    )
+                )
+                continue
+            if count and size != r.world_size:
+                if upserts:
+                    queries.upsert_pending(tx, job, group, upserts)
+                    upserts = []
+                waiting = queries.pending_ranks(tx, job, group, _LISTED_RANKS)
+                outcomes.append(
+                    FailedPrecondition(
+                        f"rank {r.rank} joined group {group!r} with world size {r.world_size}, "
+                        f"but ranks {ranks_text(waiting, count)} are waiting with world size "
+                        f"{size}; every rank of a barrier must join with the same world size",
+                        reason=pb.WORLD_SIZE_MISMATCH,
+                        job=job,
+                        group=group,
+                        world_size=r.world_size,
+                        waiting_world_size=size,
+                        ranks=rank_list(waiting, count),
+                    )
+                )
+                continue
+            if r.rank not in pending:
+                count += 1
+            pending[r.rank] = r.member_id
+            size = r.world_size
+            expires_us = now_us + math.ceil(r.timeout_s * 1e6)
+            upserts.append((r.rank, r.member_id, r.world_size, expires_us, now_us, r.peer))
+            outcomes.append(_WAITING)
+            waiting_since.append(i)
+            if count < size:
+                continue
+            # The barrier is complete: the pending rows become the next epoch.
+            queries.upsert_pending(tx, job, group, upserts)
+            upserts = []
+            members = queries.pending_members(tx, job, group)
+            digest = members_digest(members)
+            epoch += 1
+            queries.insert_epoch(
+                tx,
+                job,
+                group,
+                epoch,
+                world_size=size,
+                start=high_water,
+                digest=digest,
+                now_us=now_us,
+            )
+            queries.promote_pending(tx, job, group, epoch)
+            audit.append(
+                tx,
+                ts_us=now_us,
+                job=job,
+                group=group,
+                kind="epoch",
+                actor=r.actor,
+                detail={
+                    "epoch": epoch,
+                    "world_size": size,
+                    "start": high_water,
+                    "members_digest": digest.hex(),
+                    "previous_epoch": epoch - 1,
+                },
+            )
+            result = JoinResult(epoch, g.seed, high_water, stored, size, digest)
+            member_of = dict(members)
+            for j in waiting_since:
+                req = requests[j]
+                if member_of.get(req.rank) == req.member_id:
+                    outcomes[j] = result
+            formed.append((result, members))
+            current = queries.EpochRow(epoch, size, high_water, digest, None)
+            in_current = {rank: member_of[rank] for rank in ranks if rank in member_of}
+            count, size, pending, waiting_since = 0, 0, {}, []
+        if upserts:
+            queries.upsert_pending(tx, job, group, upserts)
+        queries.set_barrier(tx, job, group, size, count)
+        return outcomes, formed
+
+    # ------------------------------------------------------------------------ waking
+
+    def _wake(self, group: _Group, result: JoinResult, members: dict[int, str]) -> None:
+        """Resolve the waiters of `group` that the epoch `result` includes; fail the flushed
+        ones it does not (their pending row is gone: another member took the rank)."""
+        for waiter in list(group.waiters):
+            if waiter.formed.done():
+                continue
+            r = waiter.request
+            if members.get(r.rank) == r.member_id:
+                waiter.formed.set_result(result)
+            elif waiter.flushed:
+                waiter.formed.set_exception(_formed_without(r, result.epoch))
+
+    async def epoch_formed(self, job: str, group: str, epoch: int) -> None:
+        """An epoch of `group` formed in another process: wake this process's waiters in it."""
+        state = self._groups.get((job, group))
+        if state is None:
+            return
+        # Waiters whose batch is still being written count too: the epoch may include them if
+        # their batch committed before it formed and its answer has not reached this loop yet.
+        waiters = [w for w in state.waiters if not w.formed.done()]
+        if not waiters:
+            return
+        ranks = [w.request.rank for w in waiters]
+
+        def read(tx: Tx) -> tuple[JoinResult | None, dict[int, str], dict[int, str]]:
+            g = queries.group_row(tx, job, group)
+            row = queries.epoch_row(tx, job, group, epoch)
+            seed = queries.job_seed(tx, job)
+            if g is None or row is None or seed is None:
+                return None, {}, {}
+            result = JoinResult(epoch, g.seed, row.start, seed, row.world_size, row.members_digest)
+            members = queries.members_of_ranks(tx, job, group, epoch, ranks)
+            pending = queries.pending_of_ranks(tx, job, group, ranks)
+            return result, members, {r: p.member_id for r, p in pending.items()}
+
+        result, members, pending = await self._read(read)
+        if result is None:
+            return
+        for waiter in waiters:
+            if waiter.formed.done():
+                continue
+            r = waiter.request
+            if members.get(r.rank) == r.member_id:
+                waiter.formed.set_result(result)
+            elif waiter.flushed and pending.get(r.rank) != r.member_id:
+                waiter.formed.set_exception(_formed_without(r, epoch))
+            # else: it waits in the next barrier (or its batch is still being written).
+
+    # --------------------------------------------------------------------- withdrawal
+
+    async def _timed_out(self, waiter: _Waiter) -> JoinResult:
+        result = await self._withdraw(waiter, audit_timeout=True)
+        if isinstance(result, JoinResult):
+            return result
+        message, missing, missing_count = result
+        r = waiter.request
+        raise JoinTimeout(
+            f"join of group {r.group!r} timed out after {r.timeout_s:g}s: {message}",
+            job=r.job,
+            group=r.group,
+            world_size=r.world_size,
+            missing=rank_list(missing, missing_count),
+        )
+
+    async def _withdraw(
+        self, waiter: _Waiter, *, audit_timeout: bool
+    ) -> JoinResult | tuple[str, list[int], int]:
+        r = waiter.request
+        now_us = self._clock.now_us()
+        try:
+            return await asyncio.wrap_future(
+                self._store.submit(lambda tx: self._withdraw_tx(tx, r, now_us, audit_timeout))
+            )
+        except CoordinatorError:
+            raise
+        except Exception:
+            event(_log, logging.WARNING, "withdraw_failed", exc_info=True, group=r.group)
+            raise
+
+    def _withdraw_tx(
+        self, tx: Tx, r: JoinRequest, now_us: int, audit_timeout: bool
+    ) -> JoinResult | tuple[str, list[int], int]:
+        """Withdraw `r`'s pending join; return the epoch if it formed with `r` after all, else
+        (why the barrier did not complete, the first missing ranks, how many are missing)."""
+        g = queries.group_row(tx, r.job, r.group)
+        if g is None:
+            return "the group no longer exists", [], 0
+        if (
+            g.epoch
+            and queries.members_of_ranks(tx, r.job, r.group, g.epoch, [r.rank]).get(r.rank)
+            == r.member_id
+        ):
+            row = queries.epoch_row(tx, r.job, r.group, g.epoch)
+            seed = queries.job_seed(tx, r.job)
+            assert row is not None and seed is not None
+            return JoinResult(g.epoch, g.seed, row.start, seed, row.world_size, row.members_digest)
+        if queries.withdraw_pending(tx, r.job, r.group, r.rank, r.member_id):
+            queries.set_barrier(tx, r.job, r.group, g.barrier_size, g.barrier_count - 1)
+        elif queries.pending_of_ranks(tx, r.job, r.group, [r.rank]):
+            return f"rank {r.rank} is now joining as another member, not {r.member_id!r}", [], 0
+        missing, missing_count = queries.missing_ranks(
+            tx, r.job, r.group, r.world_size, _LISTED_RANKS
+        )
+        if audit_timeout:
+            audit.append(
+                tx,
+                ts_us=now_us,
+                job=r.job,
+                group=r.group,
+                kind="join_timeout",
+                actor=r.actor,
+                detail={
+                    "rank": r.rank,
+                    "world_size": r.world_size,
+                    "missing": missing,
+                    "missing_count": missing_count,
+                    "timeout_s": r.timeout_s,
+                },
+            )
+        return (
+            f"ranks {ranks_text(missing, missing_count)} of world size {r.world_size} did not join",
+            missing,
+            missing_count,
+        )
+
+
+def _formed_without(r: JoinRequest, epoch: int) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"epoch {epoch} of group {r.group!r} formed without rank {r.rank} member "
+        f"{r.member_id!r} (another member took the rank, or the join expired); rejoin",
+        reason=pb.NOT_MEMBER,
+        job=r.job,
+        group=r.group,
+        epoch=epoch,
+        rank=r.rank,
+        member_id=r.member_id,
+    )

@@ -1,0 +1,499 @@
+"""The coordinator's SQL: every statement it runs, and the decoding of the rows they return.
+
+Statements are portable (`?` placeholders; the PostgreSQL backend rewrites them) and look rows
+up by primary key, so that a request costs O(1) whatever the world size: membership is kept
+by (epoch, rank) in `members`, and a join barrier's state is two counters on its group's row.
+uint64 values are stored biased (`rngcoord.server.store.to_db`). The rules that decide what to
+write live in rngcoord.server.coordinator and rngcoord.server.barrier; this module only reads
+and writes rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from rngcoord.server.store import Tx, from_db, to_db
+
+__all__ = [
+    "RESERVE_LOOKUP",
+    "EpochRow",
+    "GroupRow",
+    "LeaseRow",
+    "PendingRow",
+    "ReserveState",
+    "audit_head",
+    "epoch_row",
+    "group_row",
+    "insert_epoch",
+    "insert_group",
+    "insert_job",
+    "insert_lease",
+    "job_seed",
+    "lease_count",
+    "lease_row",
+    "member",
+    "members_of_ranks",
+    "members_page",
+    "reserve_state",
+    "restore_cursor",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRow:
+    """A group: its seed, current epoch, high-water mark and join barrier."""
+
+    seed: int
+    epoch: int
+    high_water: int
+    barrier_size: int
+    barrier_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class EpochRow:
+    """An epoch: its world size, start cursor, member-set digest, and divergence if any."""
+
+    epoch: int
+    world_size: int
+    start: int
+    members_digest: bytes
+    diverged: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRow:
+    """A granted lease."""
+
+    start: int
+    end: int
+    size: int
+    fingerprint: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PendingRow:
+    """A rank waiting in a join barrier."""
+
+    rank: int
+    member_id: str
+    world_size: int
+    expires_us: int
+
+
+def job_seed(tx: Tx, job: str) -> int | None:
+    row = tx.fetchone("SELECT seed FROM jobs WHERE job = ?", (job,))
+    return None if row is None else from_db(row[0])
+
+
+def insert_job(tx: Tx, job: str, seed: int, now_us: int) -> None:
+    tx.execute(
+        "INSERT INTO jobs (job, seed, created_us) VALUES (?, ?, ?)", (job, to_db(seed), now_us)
+    )
+
+
+def group_row(tx: Tx, job: str, group: str) -> GroupRow | None:
+    row = tx.fetchone(
+        "SELECT seed, epoch, high_water, barrier_size, barrier_count FROM groups "
+        "WHERE job = ? AND grp = ?",
+        (job, group),
+    )
+    if row is None:
+        return None
+    return GroupRow(from_db(row[0]), int(row[1]), from_db(row[2]), int(row[3]), int(row[4]))
+
+
+def insert_group(tx: Tx, job: str, group: str, seed: int) -> GroupRow:
+    tx.execute(
+        "INSERT INTO groups (job, grp, seed, epoch, high_water, barrier_size, barrier_count) "
+        "VALUES (?, ?, ?, 0, ?, 0, 0)",
+        (job, group, to_db(seed), to_db(0)),
+    )
+    return GroupRow(seed, 0, 0, 0, 0)
+
+
+def set_barrier(tx: Tx, job: str, group: str, size: int, count: int) -> None:
+    tx.execute(
+        "UPDATE groups SET barrier_size = ?, barrier_count = ? WHERE job = ? AND grp = ?",
+        (size if count else 0, count, job, group),
+    )
+
+
+def epoch_row(tx: Tx, job: str, group: str, epoch: int) -> EpochRow | None:
+    row = tx.fetchone(
+        "SELECT world_size, start, members_digest, diverged FROM epochs "
+        "WHERE job = ? AND grp = ? AND epoch = ?",
+        (job, group, epoch),
+    )
+    if row is None:
+        return None
+    return EpochRow(epoch, int(row[0]), from_db(row[1]), bytes(row[2]), row[3])
+
+
+def insert_epoch(
+    tx: Tx,
+    job: str,
+    group: str,
+    epoch: int,
+    *,
+    world_size: int,
+    start: int,
+    digest: bytes,
+    now_us: int,
+) -> None:
+    """Record a new epoch and make it the group's current one, which fences every older one."""
+    tx.execute(
+        "INSERT INTO epochs (job, grp, epoch, world_size, start, members_digest, diverged, "
+        "created_us) VALUES (?, ?, ?, ?, ?, ?, NULL, ?)",
+        (job, group, epoch, world_size, to_db(start), digest, now_us),
+    )
+    tx.execute(
+        "UPDATE groups SET epoch = ?, barrier_size = 0, barrier_count = 0 "
+        "WHERE job = ? AND grp = ?",
+        (epoch, job, group),
+    )
+
+
+def set_diverged(tx: Tx, job: str, group: str, epoch: int, record: str) -> None:
+    tx.execute(
+        "UPDATE epochs SET diverged = ? WHERE job = ? AND grp = ? AND epoch = ?",
+        (record, job, group, epoch),
+    )
+
+
+# ------------------------------------------------------------------------------- members
+
+
+def member(tx: Tx, job: str, group: str, epoch: int, rank: int) -> tuple[str, int | None] | None:
+    """(member_id, left_us) of `rank` in the epoch, or None when the epoch has no such rank."""
+    row = tx.fetchone(
+        "SELECT member_id, left_us FROM members "
+        "WHERE job = ? AND grp = ? AND epoch = ? AND rank = ?",
+        (job, group, epoch, rank),
+    )
+    return None if row is None else (row[0], None if row[1] is None else int(row[1]))
+
+
+def members_page(
+    tx: Tx, job: str, group: str, epoch: int, from_rank: int, limit: int
+) -> list[tuple[int, str, int | None]]:
+    """(rank, member_id, left_us) of up to `limit` ranks from `from_rank`, in rank order."""
+    rows = tx.fetchall(
+        "SELECT rank, member_id, left_us FROM members WHERE job = ? AND grp = ? AND epoch = ? "
+        "AND rank >= ? ORDER BY rank LIMIT ?",
+        (job, group, epoch, from_rank, limit),
+    )
+    return [(int(r), m, None if left is None else int(left)) for r, m, left in rows]
+
+
+def members_of_ranks(
+    tx: Tx, job: str, group: str, epoch: int, ranks: Iterable[int]
+) -> dict[int, str]:
+    """{rank: member_id} of the epoch's members among `ranks` (a rank that left maps to "")."""
+    wanted = sorted(set(ranks))
+    found: dict[int, str] = {}
+    for i in range(0, len(wanted), 500):
+        chunk = wanted[i : i + 500]
+        rows = tx.fetchall(
+            "SELECT rank, member_id, left_us FROM members WHERE job = ? AND grp = ? AND epoch = ? "
+            f"AND rank IN ({', '.join('?' for _ in chunk)})",
+            (job, group, epoch, *chunk),
+        )
+        found.update({int(r): ("" if left is not None else m) for r, m, left in rows})
+    return found
+
+
+def set_left(tx: Tx, job: str, group: str, epoch: int, rank: int, now_us: int) -> None:
+    tx.execute(
+        "UPDATE members SET left_us = ? WHERE job = ? AND grp = ? AND epoch = ? AND rank = ?",
+        (now_us, job, group, epoch, rank),
+    )
+
+
+# ------------------------------------------------------------------------- join barrier
+
+
+WITHDRAWN = 0
+"""`expires_us` of a pending join whose caller gave up: it no longer counts for the barrier,
+but until the group's next batch clears it, peers that time out still see that the rank came,
+so they name only the ranks that never did."""
+
+
+def sweep_expired(tx: Tx, job: str, group: str, now_us: int) -> int:
+    """Delete the group's pending joins that expired by `now_us`, and the withdrawn ones;
+    return how many of the first kind (the withdrawn ones were already uncounted)."""
+    expired = tx.execute(
+        "DELETE FROM pending_joins WHERE job = ? AND grp = ? AND expires_us <= ? "
+        "AND expires_us <> ?",
+        (job, group, now_us, WITHDRAWN),
+    )
+    tx.execute(
+        "DELETE FROM pending_joins WHERE job = ? AND grp = ? AND expires_us = ?",
+        (job, group, WITHDRAWN),
+    )
+    return expired
+
+
+def pending_of_ranks(tx: Tx, job: str, group: str, ranks: Sequence[int]) -> dict[int, PendingRow]:
+    """The group's pending (not withdrawn) joins of `ranks`, by rank."""
+    found: dict[int, PendingRow] = {}
+    wanted = sorted(set(ranks))
+    for i in range(0, len(wanted), 500):
+        chunk = wanted[i : i + 500]
+        rows = tx.fetchall(
+            "SELECT rank, member_id, world_size, expires_us FROM pending_joins "
+            f"WHERE job = ? AND grp = ? AND expires_us <> ? "
+            f"AND rank IN ({', '.join('?' for _ in chunk)})",
+            (job, group, WITHDRAWN, *chunk),
+        )
+        for rank, member_id, world_size, expires_us in rows:
+            found[int(rank)] = PendingRow(int(rank), member_id, int(world_size), int(expires_us))
+    return found
+
+
+def pending_ranks(tx: Tx, job: str, group: str, limit: int) -> list[int]:
+    """Up to `limit` ranks waiting in the group's barrier, in rank order (for messages)."""
+    rows = tx.fetchall(
+        "SELECT rank FROM pending_joins WHERE job = ? AND grp = ? AND expires_us <> ? "
+        "ORDER BY rank LIMIT ?",
+        (job, group, WITHDRAWN, limit),
+    )
+    return [int(r) for (r,) in rows]
+
+
+def missing_ranks(
+    tx: Tx, job: str, group: str, world_size: int, limit: int
+) -> tuple[list[int], int]:
+    """The first `limit` ranks below `world_size` that never came (no pending join, withdrawn
+    ones counting as come), in rank order, and how many never came in all.
+
+    It reads every pending rank of the group: a timeout's cost, once per timed-out join.
+    """
+    came = {
+        int(r)
+        for (r,) in tx.fetchall(
+            "SELECT rank FROM pending_joins WHERE job = ? AND grp = ?", (job, group)
+        )
+        if int(r) < world_size
+    }
+    first: list[int] = []
+    for rank in range(world_size):
+        if len(first) == limit:
+            break
+        if rank not in came:
+            first.append(rank)
+    return first, world_size - len(came)
+
+
+def upsert_pending(tx: Tx, job: str, group: str, rows: Sequence[tuple[object, ...]]) -> None:
+    """Insert or replace pending joins: rows of (rank, member_id, world_size, expires_us,
+    joined_us, peer)."""
+    tx.executemany(
+        "INSERT INTO pending_joins (job, grp, rank, member_id, world_size, expires_us, joined_us, "
+        "peer) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job, grp, rank) DO UPDATE SET "
+        "member_id = excluded.member_id, world_size = excluded.world_size, "
+        "expires_us = excluded.expires_us, joined_us = excluded.joined_us, peer = excluded.peer",
+        [(job, group, *row) for row in rows],
+    )
+
+
+def withdraw_pending(tx: Tx, job: str, group: str, rank: int, member_id: str) -> int:
+    """Withdraw `rank`'s pending join if `member_id` holds it; return 1 if it did, else 0."""
+    return tx.execute(
+        "UPDATE pending_joins SET expires_us = ? WHERE job = ? AND grp = ? AND rank = ? "
+        "AND member_id = ? AND expires_us <> ?",
+        (WITHDRAWN, job, group, rank, member_id, WITHDRAWN),
+    )
+
+
+def pending_members(tx: Tx, job: str, group: str) -> list[tuple[int, str]]:
+    """(rank, member_id) of every pending (not withdrawn) join of the group, in rank order."""
+    rows = tx.fetchall(
+        "SELECT rank, member_id FROM pending_joins WHERE job = ? AND grp = ? AND expires_us <> ? "
+        "ORDER BY rank",
+        (job, group, WITHDRAWN),
+    )
+    return [(int(r), m) for r, m in rows]
+
+
+def promote_pending(tx: Tx, job: str, group: str, epoch: int) -> None:
+    """Make the group's pending joins the members of `epoch`, and clear them all."""
+    tx.execute(
+        "INSERT INTO members (job, grp, epoch, rank, member_id, joined_us, left_us, peer) "
+        "SELECT job, grp, ?, rank, member_id, joined_us, NULL, peer FROM pending_joins "
+        "WHERE job = ? AND grp = ? AND expires_us <> ?",
+        (epoch, job, group, WITHDRAWN),
+    )
+    tx.execute("DELETE FROM pending_joins WHERE job = ? AND grp = ?", (job, group))
+
+
+# ------------------------------------------------------------------------------- leases
+
+RESERVE_LOOKUP = (
+    "SELECT g.seed, g.epoch, e.diverged, m.member_id, m.left_us, "
+    'l.start, l."end", l.size, l.fingerprint '
+    "FROM groups g "
+    "LEFT JOIN epochs e ON e.job = g.job AND e.grp = g.grp AND e.epoch = g.epoch "
+    "LEFT JOIN members m ON m.job = g.job AND m.grp = g.grp AND m.epoch = g.epoch AND m.rank = ? "
+    "LEFT JOIN leases l ON l.job = g.job AND l.grp = g.grp AND l.epoch = g.epoch AND l.seq = ? "
+    "WHERE g.job = ? AND g.grp = ?"
+)
+"""Reserve's read path in one primary-key join: the group, its current epoch, the caller's
+membership by rank and the lease; params (rank, seq, job, group). The caller's epoch is
+compared with the current one in Python, so a stale or future epoch number never reaches the
+database (nor its signed 64-bit range)."""
+
+_RESERVE_STATE = (
+    "SELECT g.seed, g.epoch, g.high_water, e.start, e.diverged, m.member_id, m.left_us, "
+    'l.start, l."end", l.size, l.fingerprint, l.rank, p."end", r."cursor", '
+    "h.last_id, h.last_hash "
+    "FROM groups g JOIN audit_head h ON h.id = 1 "
+    "LEFT JOIN epochs e ON e.job = g.job AND e.grp = g.grp AND e.epoch = g.epoch "
+    "LEFT JOIN members m ON m.job = g.job AND m.grp = g.grp AND m.epoch = g.epoch AND m.rank = ? "
+    "LEFT JOIN leases l ON l.job = g.job AND l.grp = g.grp AND l.epoch = g.epoch AND l.seq = ? "
+    "LEFT JOIN leases p ON p.job = g.job AND p.grp = g.grp AND p.epoch = g.epoch AND p.seq = ? "
+    "LEFT JOIN restores r ON r.job = g.job AND r.grp = g.grp AND r.epoch = g.epoch AND r.seq = ? "
+    "WHERE g.job = ? AND g.grp = ?"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveState:
+    """What a grant re-checks inside its write transaction, read in one query."""
+
+    seed: int
+    epoch: int
+    high_water: int
+    epoch_start: int | None
+    diverged: str | None
+    member_id: str | None
+    left: bool
+    granted: LeaseRow | None
+    granted_rank: int | None
+    previous_end: int | None
+    restored_cursor: int | None
+    head: tuple[int, str]
+
+
+def reserve_state(tx: Tx, job: str, group: str, rank: int, seq: int) -> ReserveState | None:
+    """The grant's view of the group, the caller's membership, leases seq and seq - 1, the
+    restore of seq and the audit head; None when the group does not exist."""
+    row = tx.fetchone(_RESERVE_STATE, (rank, seq, seq - 1, seq, job, group))
+    if row is None:
+        return None
+    (seed, epoch, high_water, start, diverged, member_id, left_us) = row[:7]
+    (g_start, g_end, g_size, g_fp, g_rank, prev_end, cursor, last_id, last_hash) = row[7:]
+    granted = None
+    if g_start is not None:
+        granted = LeaseRow(from_db(g_start), from_db(g_end), from_db(g_size), bytes(g_fp))
+    return ReserveState(
+        seed=from_db(seed),
+        epoch=int(epoch),
+        high_water=from_db(high_water),
+        epoch_start=None if start is None else from_db(start),
+        diverged=diverged,
+        member_id=member_id,
+        left=left_us is not None,
+        granted=granted,
+        granted_rank=None if g_rank is None else int(g_rank),
+        previous_end=None if prev_end is None else from_db(prev_end),
+        restored_cursor=None if cursor is None else from_db(cursor),
+        head=(int(last_id), str(last_hash)),
+    )
+
+
+def lease_row(tx: Tx, job: str, group: str, epoch: int, seq: int) -> LeaseRow | None:
+    row = tx.fetchone(
+        'SELECT start, "end", size, fingerprint FROM leases '
+        "WHERE job = ? AND grp = ? AND epoch = ? AND seq = ?",
+        (job, group, epoch, seq),
+    )
+    if row is None:
+        return None
+    return LeaseRow(from_db(row[0]), from_db(row[1]), from_db(row[2]), bytes(row[3]))
+
+
+def lease_count(tx: Tx, job: str, group: str, epoch: int) -> int:
+    """Leases granted in the epoch: seqs run from 0 without gaps, so one past the largest."""
+    row = tx.fetchone(
+        "SELECT MAX(seq) FROM leases WHERE job = ? AND grp = ? AND epoch = ?", (job, group, epoch)
+    )
+    return 0 if row is None or row[0] is None else int(row[0]) + 1
+
+
+def insert_lease(
+    tx: Tx,
+    job: str,
+    group: str,
+    epoch: int,
+    seq: int,
+    lease: LeaseRow,
+    *,
+    rank: int,
+    member_id: str,
+    now_us: int,
+    high_water: int,
+) -> None:
+    """Record a grant and raise the group's high-water mark past it."""
+    tx.execute(
+        'INSERT INTO leases (job, grp, epoch, seq, start, "end", size, fingerprint, rank, '
+        "member_id, created_us) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            job,
+            group,
+            epoch,
+            seq,
+            to_db(lease.start),
+            to_db(lease.end),
+            to_db(lease.size),
+            lease.fingerprint,
+            rank,
+            member_id,
+            now_us,
+        ),
+    )
+    if lease.end > high_water:
+        tx.execute(
+            "UPDATE groups SET high_water = ? WHERE job = ? AND grp = ?",
+            (to_db(lease.end), job, group),
+        )
+
+
+def restore_cursor(tx: Tx, job: str, group: str, epoch: int, seq: int) -> int | None:
+    row = tx.fetchone(
+        'SELECT "cursor" FROM restores WHERE job = ? AND grp = ? AND epoch = ? AND seq = ?',
+        (job, group, epoch, seq),
+    )
+    return None if row is None else from_db(row[0])
+
+
+def insert_restore(
+    tx: Tx, job: str, group: str, epoch: int, seq: int, cursor: int, now_us: int
+) -> None:
+    tx.execute(
+        'INSERT INTO restores (job, grp, epoch, seq, "cursor", created_us) '
+        "VALUES (?, ?, ?, ?, ?, ?)",
+        (job, group, epoch, seq, to_db(cursor), now_us),
+    )
+
+
+def audit_head(tx: Tx) -> tuple[int, str]:
+    """(last id, last hash) of the audit chain."""
+    row = tx.fetchone("SELECT last_id, last_hash FROM audit_head WHERE id = 1")
+    if row is None:
+        raise RuntimeError("audit_head has no row: the schema migration did not run")
+    return int(row[0]), str(row[1])
+
+
+def audit_feed(
+    tx: Tx, after_id: int, kinds: Sequence[str], limit: int
+) -> list[tuple[int, str, str, str, str]]:
+    """(id, kind, job, group, detail JSON) of the records after `after_id` of `kinds`: the
+    change feed that keeps every coordinator process's cache and barrier current."""
+    rows = tx.fetchall(
+        "SELECT id, kind, job, grp, detail FROM audit WHERE id > ? "
+        f"AND kind IN ({', '.join('?' for _ in kinds)}) ORDER BY id LIMIT ?",
+        (after_id, *kinds, limit),
+    )
+    return [(int(i), k, j, g, d) for i, k, j, g, d in rows]
