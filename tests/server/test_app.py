@@ -8,6 +8,7 @@ certificates made by the openssl CLI, SIGTERM).
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import threading
 import urllib.request
@@ -86,6 +87,41 @@ def test_metrics_count_grants_hits_divergences_and_errors(
     assert samples[("rngcoord_errors_total", (("code", "NOT_FOUND"),))] == 1
     assert samples[("rngcoord_rpc_seconds_count", (("method", "Reserve"),))] == 6
     assert samples[("rngcoord_rpc_seconds_count", (("method", "JoinGroup"),))] == 1
+
+
+@pytest.mark.slow
+def test_workers_share_the_port_and_their_metrics(
+    coordinator_factory: CoordinatorFactory,
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    server = coordinator_factory(args=["--workers", "2", "--metrics", f"127.0.0.1:{metrics_port}"])
+    pids = {e["fields"]["pid"] for e in server.log_events() if e["event"] == "serving"}
+    assert len(pids) == 2, "two worker processes serve"
+    # Separate connections (the kernel spreads connections, not calls, over the workers).
+    grants = 0
+    for i in range(8):
+        channel = grpc.insecure_channel(
+            server.address, options=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        stub = pb_grpc.CoordinatorStub(channel)
+        member = join_all(stub, JOB, f"w{i}", 1)[0].members[0]
+        for seq in range(3):
+            request = _reserve(seq, member)
+            request.group = f"w{i}"
+            assert not stub.Reserve(request, timeout=10).existing
+            grants += 1
+        channel.close()
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("rngcoord_grants_total", ())] == grants
+    assert server.terminate() == 0
 
 
 def test_bearer_tokens_are_checked_per_job(

@@ -46,6 +46,9 @@ SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_n
 
 _log = get_logger("app")
 
+_MAX_PENDING_CALLS = 1 << 20
+_MAX_QUEUED_S = 600
+
 
 @dataclass(frozen=True)
 class TLSConfig:
@@ -87,6 +90,7 @@ class ServerOptions:
             Default 60.
         max_join_timeout_s: the most any JoinGroup waits. Default 1800.
         staleness_s: how stale the change feed may be for a hit from memory. Default 0.5.
+        max_streams: most concurrent calls on one client connection. Default 65536.
         reuse_port: bind with SO_REUSEPORT, so that the workers of one `rngcoord serve`
             share the port. Default False: a second server cannot silently share it.
         worker: this process's index among the workers, for logs. Default 0.
@@ -100,6 +104,7 @@ class ServerOptions:
     join_timeout_s: float = 60.0
     max_join_timeout_s: float = 1800.0
     staleness_s: float = 0.5
+    max_streams: int = 65536
     reuse_port: bool = False
     worker: int = 0
 
@@ -154,7 +159,21 @@ async def run_server(
         await coordinator.start()
         server = grpc.aio.server(
             interceptors=interceptors,
-            options=[("grpc.so_reuseport", 1 if options.reuse_port else 0)],
+            options=[
+                ("grpc.so_reuseport", 1 if options.reuse_port else 0),
+                # A waiting JoinGroup keeps its stream open; a process whose many ranks share
+                # one connection must not be held at HTTP/2's default of 100 streams, or the
+                # ranks a barrier waits for never reach it.
+                ("grpc.max_concurrent_streams", options.max_streams),
+                # gRPC core sheds calls that wait to be picked up by the application once more
+                # than 1,000 (at random) or 3,000 (all) are queued, and cancels any queued for
+                # 30 s: a join storm of 10^5 ranks arrives as exactly such a burst, and its
+                # shed joins would come back CANCELLED. The event loop picks calls up as fast
+                # as it can; the barrier itself bounds what each costs.
+                ("grpc.server.max_pending_requests", _MAX_PENDING_CALLS),
+                ("grpc.server.max_pending_requests_hard_limit", _MAX_PENDING_CALLS),
+                ("grpc.server_max_unrequested_time_in_server", _MAX_QUEUED_S),
+            ],
         )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
             CoordinatorServicer(coordinator, metrics), server

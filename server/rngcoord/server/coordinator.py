@@ -155,7 +155,7 @@ class Coordinator:
         staleness_s: how old the change feed's last confirmation may be for a hit to be
             answered from memory (docs/design.md §7.4). Default 0.5.
         feed_poll_s: how often the change feed looks for other processes' changes. Default
-            None: 0.005 s on SQLite (a lock-free counter), 0.1 s on PostgreSQL (which also
+            None: 0.02 s on SQLite (a lock-free counter), 0.1 s on PostgreSQL (which also
             notifies).
 
     Call `start()` on the event loop before serving and `close()` after.
@@ -181,7 +181,7 @@ class Coordinator:
         self._inline_reads = store.dialect == "sqlite"
         self._readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rngcoord-read")
         self._barriers = Barriers(store, self._read, self._clock, self._formed_here)
-        poll = feed_poll_s if feed_poll_s is not None else (0.005 if self._inline_reads else 0.1)
+        poll = feed_poll_s if feed_poll_s is not None else (0.02 if self._inline_reads else 0.1)
         self._feed = Feed(
             store, self._read, self._on_change, self._clock, poll_s=poll, staleness_s=staleness_s
         )

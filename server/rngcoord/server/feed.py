@@ -81,8 +81,8 @@ class Feed:
         read: how this process reads the store from its event loop (inline or in a thread).
         on_record: called in the event loop with each change, in chain order.
         clock: the time source.
-        poll_s: how often to look for changes. Default 0.005 on SQLite's cheap counter; the
-            coordinator passes 0.1 for PostgreSQL.
+        poll_s: how often to look for changes. Default 0.02; the coordinator passes 0.1 for
+            PostgreSQL.
         staleness_s: how old the last confirmation may be for `fresh()`. Default 0.5.
     """
 
@@ -93,7 +93,7 @@ class Feed:
         on_record: Callable[[FeedRecord], None],
         clock: Clock,
         *,
-        poll_s: float = 0.005,
+        poll_s: float = 0.02,
         staleness_s: float = 0.5,
     ) -> None:
         self._store = store

@@ -63,6 +63,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if timeout_s is not None and remaining is not None:
             # Waiting past the caller's own deadline would keep a place for nobody.
             timeout_s = max(min(timeout_s, remaining), 0.001)
+        peer = context.peer()
         try:
             r = await self._coord.join(
                 request.job,
@@ -72,8 +73,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 member_id=request.member_id,
                 job_seed=request.job_seed if request.HasField("job_seed") else None,
                 timeout_s=timeout_s,
-                actor=_actor(request.rank, request.member_id, context),
-                peer=context.peer(),
+                actor=f"rank {request.rank} member {request.member_id[:128]} @ {peer}",
+                peer=peer,
                 include_members=request.include_members,
             )
         except Exception as exc:
