@@ -148,3 +148,20 @@ def test_client_configuration_from_environment(monkeypatch: pytest.MonkeyPatch) 
         CoordinatorClient(" , ")
     with pytest.raises(InvalidRequest, match="CA bundle"):
         CoordinatorClient("a:1", tls_ca="/nonexistent/ca.pem")
+
+
+def test_a_process_keeps_one_channel_per_target(coordinator: Any) -> None:
+    # Every tracker and group of a process (thread-ranks included) shares one channel, hence
+    # one connection, per coordinator; the last client to close closes it.
+    first = CoordinatorClient(coordinator.address)
+    second = CoordinatorClient([coordinator.address, _closed_port()])
+    assert first._channels[0] is second._channels[0]
+    first.close()
+    first.close()  # idempotent: releases once
+    # Still open for the other client.
+    joined = second.join_group("shared", "g", rank=0, world_size=1, member_id="m0")
+    assert joined.epoch == 1
+    second.close()
+    third = CoordinatorClient(coordinator.address)
+    assert third._channels[0] is not second._channels[0]
+    third.close()

@@ -19,11 +19,12 @@ import pytest
 from rngcoord.client import (
     CoordinatorClient,
     CoordinatorUnavailable,
+    DivergenceError,
     InvalidRequest,
     LeaseManager,
     StaleEpochError,
 )
-from rngcoord.client.leases import FINGERPRINT_BYTES, INITIAL_DIGEST
+from rngcoord.client.leases import FINGERPRINT_BYTES, INITIAL_DIGEST, LeaseSchedule, StreamState
 from rngcoord.v1.types import JoinResult
 
 # (op key, size in offsets): sizes below, at, and well above the lease sizes used.
@@ -50,7 +51,12 @@ def join(client: CoordinatorClient, job: str, group: str, world: int) -> list[Jo
 
 
 def managers(
-    client: CoordinatorClient, job: str, group: str, lease: int, world: int = 2
+    client: CoordinatorClient,
+    job: str,
+    group: str,
+    lease: int | None,
+    world: int = 2,
+    schedule: LeaseSchedule | None = None,
 ) -> list[LeaseManager]:
     joined = join(client, job, group, world)
     return [
@@ -61,7 +67,7 @@ def managers(
             rank=rank,
             member_id=f"m{rank}",
             joined=joined[rank],
-            lease_size=lease,
+            schedule=schedule or LeaseSchedule(fixed=lease),
         )
         for rank in range(world)
     ]
@@ -83,18 +89,30 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def expected_requests(lease: int) -> dict[int, bytes]:
-    """The documented request rule, simulated: seq -> fingerprint."""
-    fingerprints = {0: INITIAL_DIGEST[:FINGERPRINT_BYTES]}
-    digest, cursor, next_seq = INITIAL_DIGEST, 0, 1
-    for key, size in OPS:
+def expected_requests(
+    schedule: LeaseSchedule, ops: list[tuple[bytes, int]] = OPS
+) -> dict[int, tuple[int, int, bytes]]:
+    """The documented request rule, simulated: seq -> (start, end, fingerprint)."""
+
+    def size(largest: int, cursor: int) -> int:
+        return schedule.size(largest_op=largest, consumed=cursor)
+
+    first = size(0, 0)
+    requests = {0: (0, first, INITIAL_DIGEST[:FINGERPRINT_BYTES])}
+    digest, cursor, largest, next_start = INITIAL_DIGEST, 0, 0, first
+    for key, n in ops:
         digest = hashlib.sha256(digest + key).digest()
-        cursor += size
-        last = (cursor - 1) // lease
-        while next_seq <= last + 1:
-            fingerprints[next_seq] = digest[:FINGERPRINT_BYTES]
-            next_seq += 1
-    return fingerprints
+        cursor += n
+        largest = max(largest, n)
+        fingerprint = digest[:FINGERPRINT_BYTES]
+        while next_start < cursor:
+            requests[len(requests)] = (next_start, next_start + size(largest, cursor), fingerprint)
+            next_start = requests[len(requests) - 1][1]
+        need = max(s for s, (start, _, _) in requests.items() if start <= cursor - 1)
+        if len(requests) <= need + 1:
+            requests[len(requests)] = (next_start, next_start + size(largest, cursor), fingerprint)
+            next_start = requests[len(requests) - 1][1]
+    return requests
 
 
 @pytest.fixture
@@ -103,10 +121,20 @@ def client(coordinator: Any) -> Any:
         yield c
 
 
-@pytest.mark.parametrize("lease", [16, 64, 4096])
-def test_placement_and_requests_are_deterministic(client: CoordinatorClient, lease: int) -> None:
-    group = f"g{lease}"
-    ranks = managers(client, "leases", group, lease)
+SCHEDULES = {
+    "fixed16": LeaseSchedule(fixed=16),
+    "fixed64": LeaseSchedule(fixed=64),
+    "fixed4096": LeaseSchedule(fixed=4096),
+    # Small enough that the ops above span many leases, which grow as the stream does.
+    "growing": LeaseSchedule(min_size=16, op_factor=2, growth=2, max_size=1 << 20),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_placement_and_requests_are_deterministic(client: CoordinatorClient, name: str) -> None:
+    group = f"g-{name}"
+    schedule = SCHEDULES[name]
+    ranks = managers(client, "leases", group, None, schedule=schedule)
     bases: list[list[int]] = [[], []]
 
     def rank_main(rank: int) -> None:
@@ -124,9 +152,9 @@ def test_placement_and_requests_are_deterministic(client: CoordinatorClient, lea
     total = sum(size for _, size in OPS)
     assert all(m.cursor == total for m in ranks)
 
-    # Every rank asked for exactly the leases the rule names, with the same fingerprints: the
-    # coordinator granted each once, contiguous from 0.
-    expected = expected_requests(lease)
+    # Every rank asked for exactly the leases the rule names, with the same sizes and
+    # fingerprints: the coordinator granted each once, contiguous from 0.
+    expected = expected_requests(schedule)
 
     def settled(m: LeaseManager) -> Callable[[], bool]:
         return lambda: m.stats.received == m.stats.reserves == len(expected)
@@ -136,12 +164,12 @@ def test_placement_and_requests_are_deterministic(client: CoordinatorClient, lea
     grants = client.list_audit(job="leases", group=group, kinds=["grant"])
     details = sorted((g.detail for g in grants), key=lambda d: d["seq"])
     assert [d["seq"] for d in details] == list(expected)
-    assert [(d["start"], d["end"]) for d in details] == [
-        (s * lease, (s + 1) * lease) for s in expected
+    assert [(d["start"], d["end"]) for d in details] == [(s, e) for s, e, _ in expected.values()]
+    assert [bytes.fromhex(d["fingerprint"]) for d in details] == [
+        f for _, _, f in expected.values()
     ]
-    assert [bytes.fromhex(d["fingerprint"]) for d in details] == list(expected.values())
     info = client.get_group("leases", group)
-    assert info.high_water == len(expected) * lease
+    assert info.high_water == expected[len(expected) - 1][1]
     for manager in ranks:
         manager.close()
 
@@ -190,3 +218,91 @@ def test_unreachable_coordinator_then_back(coordinator: Any) -> None:
     assert manager.advance(16, b"c") == 128
     manager.close()
     client.close()
+
+
+def _two_rank_ops(
+    ranks: list[LeaseManager], ops: list[list[tuple[bytes, int]]]
+) -> list[BaseException | None]:
+    """Rank r runs ops[r] in a thread of its own; returns what each raised, if anything."""
+    raised: list[BaseException | None] = [None, None]
+
+    def rank_main(rank: int) -> None:
+        try:
+            for key, size in ops[rank]:
+                ranks[rank].advance(size, key)
+        except BaseException as exc:  # the test inspects it
+            raised[rank] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return raised
+
+
+def test_a_different_op_sequence_is_caught_within_one_lease(client: CoordinatorClient) -> None:
+    # Rank 1 runs one extra op at step 3. The schedule sizes the next lease from the op
+    # sequence, so the ranks ask for the same seq with different fingerprints (and sizes),
+    # and both learn of the divergence by the time their ops need the lease after next.
+    schedule = LeaseSchedule(min_size=64, op_factor=2, growth=2, max_size=1 << 16)
+    ranks = managers(client, "diverge", "g", None, schedule=schedule)
+    ops = [(b"rand(64,)", 64)] * 40
+    extra = [*ops[:3], (b"randn(8,)", 8), *ops[3:]]
+    raised = _two_rank_ops(ranks, [ops, extra])
+    assert all(isinstance(e, DivergenceError) for e in raised), raised
+    assert ranks[0].cursor < 40 * 64 or ranks[1].cursor < 40 * 64 + 8
+    for m in ranks:
+        m.close(leave=False)
+
+
+def test_a_checkpoint_taken_mid_schedule_resumes_bitwise(client: CoordinatorClient) -> None:
+    schedule = LeaseSchedule(min_size=16, op_factor=2, growth=2, max_size=1 << 20)
+    ops = [(b"dropout(24,)", 24), (b"rand(100,)", 100)] * 20
+    (straight,) = managers(client, "resume", "straight", None, world=1, schedule=schedule)
+    expected = [straight.advance(size, key) for key, size in ops]
+    (first,) = managers(client, "resume", "split", None, world=1, schedule=schedule)
+    before = [first.advance(size, key) for key, size in ops[:17]]
+    saved = first.state
+    first.close()
+    # A restarted process joins a new epoch and continues from the checkpoint: the same
+    # offsets as the uninterrupted run, and the schedule's state continues too.
+    (joined,) = join(client, "resume", "split", 1)
+    resumed = LeaseManager(
+        client,
+        "resume",
+        "split",
+        rank=0,
+        member_id="m0",
+        joined=joined,
+        schedule=schedule,
+        resume=StreamState(saved.cursor, saved.digest, saved.origin, saved.largest_op),
+    )
+    after = [resumed.advance(size, key) for key, size in ops[17:]]
+    assert before + after == expected
+    assert resumed.state == straight.state
+    resumed.close()
+    straight.close()
+
+
+def test_work_sized_leases_bound_the_rpcs_per_training_step(client: CoordinatorClient) -> None:
+    # A model-shaped trace with the default schedule: 96 layers, each one dropout of
+    # 8 x 64 x 4096 x 4096 elements and two of 8 x 4096 x 12288. After a warm-up of 10 steps,
+    # a rank asks for at most one lease per 10 steps (a fixed 2^32 lease would need about 212
+    # per step).
+    layer = [
+        (b"dropout(8, 64, 4096, 4096)", 8 * 64 * 4096 * 4096),
+        (b"dropout(8, 4096, 12288)", 8 * 4096 * 12288),
+        (b"dropout(8, 4096, 12288)", 8 * 4096 * 12288),
+    ]
+    step = layer * 96
+    (manager,) = managers(client, "model", "g", None, world=1)
+    for _ in range(10):
+        for key, size in step:
+            manager.advance(size, key)
+    warm = manager.stats.reserves
+    for _ in range(30):
+        for key, size in step:
+            manager.advance(size, key)
+    assert (manager.stats.reserves - warm) / 30 <= 0.1
+    manager.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -49,6 +50,41 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 500),
 ]
 _MAX_SLEEP_S = 5.0
+
+
+class _ChannelPool:
+    """One channel per (target, CA bundle) in this process, shared by every client: all the
+    groups and trackers of a process, thread-ranks included, talk over one connection per
+    coordinator, and their calls are multiplexed on it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._channels: dict[tuple[str, bytes | None], tuple[grpc.Channel, int]] = {}
+
+    def acquire(self, target: str, root: bytes | None) -> grpc.Channel:
+        with self._lock:
+            found = self._channels.get((target, root))
+            if found is None:
+                if root is None:
+                    channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+                else:
+                    credentials = grpc.ssl_channel_credentials(root_certificates=root)
+                    channel = grpc.secure_channel(target, credentials, options=_CHANNEL_OPTIONS)
+                found = (channel, 0)
+            self._channels[target, root] = (found[0], found[1] + 1)
+            return found[0]
+
+    def release(self, target: str, root: bytes | None) -> None:
+        with self._lock:
+            channel, users = self._channels[target, root]
+            if users > 1:
+                self._channels[target, root] = (channel, users - 1)
+                return
+            del self._channels[target, root]
+        channel.close()
+
+
+_CHANNELS = _ChannelPool()
 
 
 def _env_targets() -> list[str]:
@@ -108,22 +144,19 @@ class CoordinatorClient:
             (("authorization", f"Bearer {token}"),) if token else ()
         )
         tls_ca = tls_ca if tls_ca is not None else os.environ.get("RNGCOORD_TLS_CA") or None
-        credentials = None
+        root: bytes | None = None
         if tls_ca:
             try:
                 with open(tls_ca, "rb") as f:
-                    credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+                    root = f.read()
             except OSError as e:
                 raise InvalidRequest(
                     f"cannot read the CA bundle {tls_ca!r} ({e}): point tls_ca or "
                     "RNGCOORD_TLS_CA at a PEM file"
                 ) from e
-        self._channels = [
-            grpc.secure_channel(t, credentials, options=_CHANNEL_OPTIONS)
-            if credentials is not None
-            else grpc.insecure_channel(t, options=_CHANNEL_OPTIONS)
-            for t in resolved
-        ]
+        self._keys = [(t, root) for t in resolved]
+        self._channels = [_CHANNELS.acquire(t, root) for t in resolved]
+        self._closed = False
         self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
         self._current = 0
         self.deadline_s = deadline_s
@@ -136,9 +169,12 @@ class CoordinatorClient:
         return tuple(self._targets)
 
     def close(self) -> None:
-        """Close every channel; the client cannot be used afterwards."""
-        for channel in self._channels:
-            channel.close()
+        """Release the channels (the last client of a target closes its channel); the client
+        cannot be used afterwards. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            for target, root in self._keys:
+                _CHANNELS.release(target, root)
 
     def __enter__(self) -> CoordinatorClient:
         return self

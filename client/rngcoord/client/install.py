@@ -29,7 +29,7 @@ def install(
     seed: int | None = None,
     token: str | None = None,
     *,
-    lease_size: int = 1 << 32,
+    lease_size: int | None = None,
     shared_stream: bool = False,
     tls_ca: str | None = None,
     join_timeout_s: float = 60.0,
@@ -52,8 +52,10 @@ def install(
         seed: The job's root seed (uint64); the same seed reproduces a job bitwise.
             Default ``None``: the job's recorded seed, or one the coordinator draws.
         token: Bearer token for the job. Default ``None``: RNGCOORD_TOKEN, else none.
-        lease_size: Offsets per lease, a multiple of 4, equal on every rank. Larger leases
-            mean fewer RPCs; an op bigger than a lease takes several. Default 2^32.
+        lease_size: Offsets in every lease, a multiple of 4, equal on every rank. Default
+            ``None``: leases sized to the work, growing with the stream
+            (:class:`~rngcoord.client.leases.LeaseSchedule`), so that RPCs per training step
+            stay bounded whatever the tensor sizes.
         shared_stream: One stream for every mesh over ``mesh``'s ranks (like upstream's
             single generator) instead of one per (sub)mesh. Default ``False``.
         tls_ca: PEM CA bundle to verify the coordinator (TLS). Default ``None``:

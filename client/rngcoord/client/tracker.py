@@ -65,7 +65,7 @@ from rngcoord.client.devices import (
 )
 from rngcoord.client.errors import InvalidRequest, RNGCoordError
 from rngcoord.client.groups import GroupSpec, mesh_group, shared_group
-from rngcoord.client.leases import INITIAL_DIGEST, LeaseManager, check_lease_size
+from rngcoord.client.leases import INITIAL_DIGEST, LeaseManager, LeaseSchedule, StreamState
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,9 @@ class _Stream(Protocol):
     @property
     def digest(self) -> bytes: ...
 
+    @property
+    def state(self) -> StreamState: ...
+
     def advance(self, size: int, op_key: bytes) -> int: ...
 
 
@@ -104,20 +107,36 @@ class LocalStream:
         seed: The stream's seed (uint64).
         cursor: Where the next op's offsets start, a multiple of 4. Default 0.
         digest: The fingerprint chain so far. Default: the chain before any op.
+        origin: Where a lease schedule over this stream would have begun. Default: `cursor`.
+        largest_op: The largest op so far, in offsets. Default 0.
     """
 
-    def __init__(self, seed: int, cursor: int = 0, digest: bytes = INITIAL_DIGEST) -> None:
+    def __init__(
+        self,
+        seed: int,
+        cursor: int = 0,
+        digest: bytes = INITIAL_DIGEST,
+        origin: int | None = None,
+        largest_op: int = 0,
+    ) -> None:
         self.seed = seed
         self.cursor = cursor
         self.digest = digest
+        self.origin = cursor if origin is None else origin
+        self.largest_op = largest_op
+
+    @property
+    def state(self) -> StreamState:
+        return StreamState(self.cursor, self.digest, self.origin, self.largest_op)
 
     def advance(self, size: int, op_key: bytes) -> int:
         """Account one op of ``size`` offsets, identified by ``op_key``; return its base.
-        The fingerprint chain moves on as a LeaseManager's does, so state dicts of either
-        kind of stream load into the other."""
+        The fingerprint chain and the schedule's state move on as a LeaseManager's do, so
+        state dicts of either kind of stream load into the other."""
         base = self.cursor
         self.cursor = base + size
         self.digest = hashlib.sha256(self.digest + op_key).digest()
+        self.largest_op = max(self.largest_op, size)
         return base
 
 
@@ -323,7 +342,7 @@ class RNGStateTracker:
         return {
             "format": STATE_FORMAT,
             "streams": {
-                tag: {"seed": s.seed, "offset": s.cursor, "digest": s.digest}
+                tag: {"seed": s.seed, **s.state.to_dict()}
                 for tag, s in self._stream_states().items()
             },
         }
@@ -334,7 +353,13 @@ class RNGStateTracker:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue every stream of ``state`` where it was saved."""
         for tag, entry in _streams_of(state).items():
-            self._streams[tag] = LocalStream(entry["seed"], entry["offset"], entry["digest"])
+            self._streams[tag] = LocalStream(
+                entry["seed"],
+                entry["offset"],
+                entry["digest"],
+                entry["origin"],
+                entry["largest_op"],
+            )
 
     # -- DTensor's hooks ----------------------------------------------------------------------
 
@@ -512,19 +537,30 @@ def _streams_of(state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     checked: dict[str, dict[str, Any]] = {}
     for tag, entry in streams.items():
         seed, offset, digest = entry.get("seed"), entry.get("offset"), entry.get("digest")
+        # Checkpoints written before lease schedules carry neither: the schedule restarts.
+        origin, largest = entry.get("origin", offset), entry.get("largest_op", 0)
         if not (
             isinstance(seed, int)
             and isinstance(offset, int)
             and isinstance(digest, bytes)
+            and isinstance(origin, int)
+            and isinstance(largest, int)
             and 0 <= seed < 1 << 64
-            and 0 <= offset < 1 << 64
+            and 0 <= origin <= offset < 1 << 64
             and offset % 4 == 0
+            and largest >= 0
         ):
             raise InvalidRequest(
                 f"stream {tag!r} of the state dict is malformed: seed={seed!r} "
-                f"offset={offset!r} digest={digest!r}"
+                f"offset={offset!r} digest={digest!r} origin={origin!r} largest_op={largest!r}"
             )
-        checked[tag] = {"seed": seed, "offset": offset, "digest": digest}
+        checked[tag] = {
+            "seed": seed,
+            "offset": offset,
+            "digest": digest,
+            "origin": origin,
+            "largest_op": largest,
+        }
     return checked
 
 
@@ -547,7 +583,9 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         job: The job name.
         seed: The job's root seed (uint64). Default ``None``: the job's recorded seed, or one
             the coordinator draws when the job is new.
-        lease_size: Offsets per lease, a multiple of 4, equal on every rank. Default 2^32.
+        lease_size: Offsets in every lease, a multiple of 4, equal on every rank. Default
+            ``None``: leases sized to the work (:class:`~rngcoord.client.leases.LeaseSchedule`),
+            so that the RPCs per step stay bounded whatever the tensor sizes.
         shared_stream: One stream for every mesh, over ``device_mesh``'s ranks, instead of
             one per (sub)mesh. Default ``False``.
         join_timeout_s: How long a JoinGroup barrier waits for the mesh's other ranks.
@@ -561,7 +599,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         client: CoordinatorClient,
         job: str,
         seed: int | None = None,
-        lease_size: int = 1 << 32,
+        lease_size: int | None = None,
         shared_stream: bool = False,
         join_timeout_s: float = 60.0,
         owns_client: bool = False,
@@ -571,13 +609,12 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         RNGStateTracker.__init__(self, device_mesh.device_type)
         if seed is not None and not 0 <= seed < 1 << 64:
             raise InvalidRequest(f"seed must be a uint64, got {seed}")
-        # Checked here as well as in LeaseManager so that a bad size fails at install(),
-        # not at the first random op. Offsets past 2^63 on Philox devices are refused per op
-        # (devices.check_philox_offset), since CPU streams may use the whole uint64 range.
-        check_lease_size(lease_size)
+        # A bad size fails here, at install(), not at the first random op. Offsets past 2^63
+        # on Philox devices are refused per op (devices.check_philox_offset), since CPU
+        # streams may use the whole uint64 range.
+        self.schedule = LeaseSchedule(fixed=lease_size)
         self.client = client
         self.job = job
-        self.lease_size = lease_size
         self.shared_stream = shared_stream
         self.join_timeout_s = join_timeout_s
         self.member_id = f"r{self.rank}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
@@ -634,7 +671,9 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         pending = self._pending.pop(group.name, None)
         if pending is not None:
             _check_seed(group.name, pending["seed"], joined.seed)
-            resume = (pending["offset"], pending["digest"])
+            resume = StreamState(
+                pending["offset"], pending["digest"], pending["origin"], pending["largest_op"]
+            )
         manager = LeaseManager(
             self.client,
             self.job,
@@ -642,7 +681,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
             rank=group.rank,
             member_id=self.member_id,
             joined=joined,
-            lease_size=self.lease_size,
+            schedule=self.schedule,
             resume=resume,
         )
         self._managers[group.name] = manager
