@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import time
 import uuid
 from collections.abc import Sequence
@@ -197,12 +198,15 @@ async def reserve_load(
     size: int = 1 << 16,
     epoch: int = 1,
     token: str | None = None,
+    interval_s: float = 0.0,
 ) -> LoadOutcome:
     """Ranks call Reserve in a closed loop for `seconds` after `warmup_s`.
 
     With `grants`, each call asks for the next seq of the rank's group, from seq 8: a new
     lease every time, so every rank must be alone in its group. Otherwise each call repeats
-    one of the leases seq 0..7 of its group, which `prepare` granted (a hit).
+    one of the leases seq 0..7 of its group, which `prepare` granted (a hit). With
+    `interval_s`, each rank starts a call every `interval_s` seconds, from a random phase (an
+    open loop), instead of as soon as its last one returns.
     """
     if grants and len({r.group for r in ranks}) != len(ranks):
         raise ValueError("grants need one rank per group: seqs of a group are granted in order")
@@ -218,7 +222,11 @@ async def reserve_load(
         stub = stubs[i % len(stubs)]
         counter = itertools.count(8)
         hit = itertools.cycle(range(8))
+        due = time.perf_counter() + random.uniform(0, interval_s)
         while True:
+            if interval_s:
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                due += interval_s
             now = time.perf_counter()
             if now >= window[1]:
                 return
