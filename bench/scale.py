@@ -134,8 +134,10 @@ def storm_ranks(n: int) -> list[Rank]:
 
 async def measure_join(address: str, n: int, channels: int) -> float:
     opened = open_channels(address, channels)
+    job = f"join-{n}-{uuid.uuid4().hex[:6]}"
     try:
-        outcome = await join_storm(opened, f"join-{n}-{uuid.uuid4().hex[:6]}", storm_ranks(n))
+        # A generous join timeout: the storm is measured, not cut short.
+        outcome = await join_storm(opened, job, storm_ranks(n), timeout_s=1500)
     finally:
         for channel in opened:
             await channel.close(None)

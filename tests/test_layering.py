@@ -1,4 +1,4 @@
-"""The layering of docs/design.md §Shape, checked on the code: data flows proto → server and
+"""The layering of docs/design.md §3, checked on the code: data flows proto → server and
 proto → client, the server never imports torch (the coordinator image has none), and the
 client never imports the server.
 

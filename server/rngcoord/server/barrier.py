@@ -137,6 +137,9 @@ class Barriers:
         self._clock = clock
         self._on_formed = on_formed
         self._groups: dict[tuple[str, str], _Group] = {}
+        # (job, group) -> (when, world size, first missing ranks, how many): what `_missing`
+        # read, dropped whenever this process writes arrivals of the group.
+        self._missing_cache: dict[tuple[str, str], tuple[float, int, list[int], int]] = {}
 
     @property
     def waiting(self) -> int:
@@ -198,6 +201,7 @@ class Barriers:
             while group.arrivals:
                 batch, group.arrivals = group.arrivals[:_MAX_BATCH], group.arrivals[_MAX_BATCH:]
                 requests = [w.request for w, _ in batch]
+                self._missing_cache.pop(key, None)
                 drawn = draw_job_seed()
                 now_us = self._clock.now_us()
                 try:
@@ -441,27 +445,54 @@ class Barriers:
     # --------------------------------------------------------------------- withdrawal
 
     async def _timed_out(self, waiter: _Waiter) -> JoinResult:
-        result = await self._withdraw(waiter, audit_timeout=True)
+        r = waiter.request
+        missing = await self._missing(r.job, r.group, r.world_size)
+        result = await self._withdraw(waiter, audit_timeout=True, missing=missing)
         if isinstance(result, JoinResult):
             return result
-        message, missing, missing_count = result
-        r = waiter.request
+        message, missing_ranks, missing_count = result
         raise JoinTimeout(
             f"join of group {r.group!r} timed out after {r.timeout_s:g}s: {message}",
             job=r.job,
             group=r.group,
             world_size=r.world_size,
-            missing=rank_list(missing, missing_count),
+            missing=rank_list(missing_ranks, missing_count),
         )
 
+    async def _missing(self, job: str, group: str, world_size: int) -> tuple[list[int], int]:
+        """The first missing ranks of a barrier and how many: read once per group per second
+        and shared by this process's waiters, since naming them reads every pending rank and a
+        barrier of 10^5 ranks that times out times out 10^5 joins at once."""
+        now = self._clock.monotonic()
+        cached = self._missing_cache.get((job, group))
+        if cached is not None and cached[1] == world_size and now - cached[0] < 1.0:
+            return cached[2], cached[3]
+        first, count = await self._read(
+            lambda tx: queries.missing_ranks(tx, job, group, world_size, _LISTED_RANKS + 1)
+        )
+        self._missing_cache[job, group] = (now, world_size, first, count)
+        return first, count
+
     async def _withdraw(
-        self, waiter: _Waiter, *, audit_timeout: bool
+        self,
+        waiter: _Waiter,
+        *,
+        audit_timeout: bool,
+        missing: tuple[list[int], int] = ([], 0),
     ) -> JoinResult | tuple[str, list[int], int]:
         r = waiter.request
         now_us = self._clock.now_us()
         try:
             return await asyncio.wrap_future(
-                self._store.submit(lambda tx: self._withdraw_tx(tx, r, now_us, audit_timeout))
+                self._store.submit(
+                    functools.partial(
+                        self._withdraw_tx,
+                        r=r,
+                        now_us=now_us,
+                        audit_timeout=audit_timeout,
+                        missing=missing,
+                    )
+                )
             )
         except CoordinatorError:
             raise
@@ -470,10 +501,17 @@ class Barriers:
             raise
 
     def _withdraw_tx(
-        self, tx: Tx, r: JoinRequest, now_us: int, audit_timeout: bool
+        self,
+        tx: Tx,
+        *,
+        r: JoinRequest,
+        now_us: int,
+        audit_timeout: bool,
+        missing: tuple[list[int], int],
     ) -> JoinResult | tuple[str, list[int], int]:
         """Withdraw `r`'s pending join; return the epoch if it formed with `r` after all, else
-        (why the barrier did not complete, the first missing ranks, how many are missing)."""
+        (why the barrier did not complete, the first missing ranks, how many are missing),
+        from `missing` as read before (the rank itself, which did come, left out)."""
         g = queries.group_row(tx, r.job, r.group)
         if g is None:
             return "the group no longer exists", [], 0
@@ -490,9 +528,10 @@ class Barriers:
             queries.set_barrier(tx, r.job, r.group, g.barrier_size, g.barrier_count - 1)
         elif queries.pending_of_ranks(tx, r.job, r.group, [r.rank]):
             return f"rank {r.rank} is now joining as another member, not {r.member_id!r}", [], 0
-        missing, missing_count = queries.missing_ranks(
-            tx, r.job, r.group, r.world_size, _LISTED_RANKS
-        )
+        first, missing_count = missing
+        if r.rank in first:
+            missing_count -= 1
+        listed = [m for m in first if m != r.rank][:_LISTED_RANKS]
         if audit_timeout:
             audit.append(
                 tx,
@@ -504,14 +543,14 @@ class Barriers:
                 detail={
                     "rank": r.rank,
                     "world_size": r.world_size,
-                    "missing": missing,
+                    "missing": listed,
                     "missing_count": missing_count,
                     "timeout_s": r.timeout_s,
                 },
             )
         return (
-            f"ranks {ranks_text(missing, missing_count)} of world size {r.world_size} did not join",
-            missing,
+            f"ranks {ranks_text(listed, missing_count)} of world size {r.world_size} did not join",
+            listed,
             missing_count,
         )
 
