@@ -310,7 +310,8 @@ class Server:
         cmd = command or [sys.executable, "-m", "rngcoord.server.cli", "serve"]
         cmd += ["--listen", "127.0.0.1:0", "--ready-file", str(ready)]
         if command is None:
-            cmd += ["--db", db_url, "--metrics", "off", "--log-level", "WARNING"]
+            cmd += ["--db", db_url, "--metrics", "off", "--log-level", "WARNING", "--init"]
+            cmd += ["--peer-rate", "0"]  # every client is on this host
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(cmd, cwd=workdir, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60

@@ -89,6 +89,11 @@ def coordinator(db_url: str, workers: int, workdir: Path) -> Iterator[str]:
         str(ready),
         "--log-level",
         "WARNING",
+        "--init",
+        # Every simulated rank runs on this one host: a per-host rate limit would measure
+        # the limit, not the coordinator.
+        "--peer-rate",
+        "0",
     ]
     with log_path.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

@@ -55,7 +55,7 @@ def start_coordinator(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "rngcoord.server.cli", "serve", "--listen", "127.0.0.1:0",
          "--db", f"sqlite:///{workdir / 'bench.db'}", "--metrics", "off",
-         "--ready-file", str(ready), "--log-level", "WARNING"],
+         "--ready-file", str(ready), "--log-level", "WARNING", "--init"],
     )  # fmt: skip
     deadline = time.monotonic() + 30
     while not ready.exists():

@@ -34,6 +34,7 @@ from urllib.parse import urlsplit, urlunsplit
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rngcoord.server import audit
 from rngcoord.server.coordinator import Coordinator
 from rngcoord.server.sqlite import SqliteStore
 from rngcoord.server.store import Tx
@@ -72,9 +73,12 @@ class CoordinatorProcess:
         env: extra environment variables for the server. Default none; RNGCOORD_* server
             settings of the calling shell are removed either way.
         start_timeout_s: how long `start()` waits for the ready file. Default 30.
+        init: pass `--init` at the first start, creating the store. Default True; restarts
+            pass it only when asked (a lost store must not be created again by accident).
 
     Attributes: `address` ("127.0.0.1:PORT", set once started), `port`, `db_url`, `popen`.
-    The server runs with `--metrics off` and `--workers 1` unless `args` passes them.
+    The server runs with `--metrics off`, `--workers 1` and `--peer-rate 0` (every test
+    client is on one host) unless `args` passes them.
     """
 
     def __init__(
@@ -85,9 +89,11 @@ class CoordinatorProcess:
         args: Sequence[str] = (),
         env: dict[str, str] | None = None,
         start_timeout_s: float = 30.0,
+        init: bool = True,
     ) -> None:
         self.db_url = db_url
         self.workdir = workdir
+        self._init_next = init
         self.args = tuple(args)
         self.start_timeout_s = start_timeout_s
         self.port = 0
@@ -136,6 +142,11 @@ class CoordinatorProcess:
         if "--workers" not in self.args:
             # One process unless a test asks for more: tests of several workers say so.
             cmd += ["--workers", "1"]
+        if "--peer-rate" not in self.args:
+            cmd += ["--peer-rate", "0"]
+        if self._init_next:
+            cmd += ["--init"]
+            self._init_next = False
         cmd += self.args
         with self.log_path.open("wb") as log:
             self.popen = subprocess.Popen(
@@ -175,18 +186,23 @@ class CoordinatorProcess:
             self.popen.kill()
             self.popen.wait()
 
-    def restart(self) -> CoordinatorProcess:
-        """Start again on the same store, on the same port when it is free, else on a new one.
+    def restart(self, *, init: bool = False) -> CoordinatorProcess:
+        """Start again on the same store, on the same port when it is free, else on a new one;
+        with `init`, pass `--init` (create the store if it is gone).
 
         The server must have stopped (`kill()` or `terminate()`) first.
         """
         if self.running:
             raise RuntimeError("stop the coordinator before restarting it")
+        self._init_next = init
         try:
             return self.start()
-        except RuntimeError:
+        except RuntimeError as exc:
+            if "no rngcoord store" in str(exc):
+                raise
             # The old port was taken meanwhile; any free port will do.
             self.port = 0
+            self._init_next = init
             return self.start()
 
     def output(self) -> str:
@@ -236,14 +252,18 @@ class CoordinatorProcess:
         self.kill()
 
 
-def run_cli(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
-    """Run `python -m rngcoord.server.cli ARGS...` and return the completed process."""
+def run_cli(
+    *args: str, timeout_s: float = 120.0, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `python -m rngcoord.server.cli ARGS...` (in `cwd`) and return the completed
+    process."""
     return subprocess.run(
         [sys.executable, "-m", "rngcoord.server.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
         check=False,
+        cwd=cwd,
     )
 
 
@@ -439,7 +459,15 @@ class CountingStore:
     def __init__(self, inner: SqliteStore) -> None:
         self.inner = inner
         self.dialect = inner.dialect
+        self.store_id = inner.store_id
+        self.location = inner.location
         self.writes = 0
+
+    def check_identity(self) -> None:
+        self.inner.check_identity()
+
+    def is_unavailable(self, exc: BaseException) -> bool:
+        return self.inner.is_unavailable(exc)
 
     def read(self, fn: Callable[[Tx], T]) -> T:
         return self.inner.read(fn)
@@ -461,15 +489,23 @@ class CountingStore:
 
 class InProcess:
     """An asynchronous Coordinator on `store` in `loop`, driven from the test's thread (its
-    clock is `clock`)."""
+    clock is `clock`; its audit chain keyed by `key` when given)."""
 
-    def __init__(self, loop: LoopThread, store: CountingStore, clock: ManualClock) -> None:
+    def __init__(
+        self,
+        loop: LoopThread,
+        store: CountingStore,
+        clock: ManualClock,
+        *,
+        key: bytes | None = None,
+    ) -> None:
         self.loop = loop
         self.store = store
         self.clock = clock
+        chain = audit.open_chain(store, key, now_us=clock.now_us(), actor="test")
 
         async def make() -> Coordinator:
-            coordinator = Coordinator(store, join_timeout_s=10.0, clock=clock)
+            coordinator = Coordinator(store, join_timeout_s=10.0, clock=clock, chain=chain)
             await coordinator.start()
             return coordinator
 

@@ -26,6 +26,8 @@ from rngcoord.client import (
     NotFoundError,
     NotMemberError,
     OffsetsExhausted,
+    PermissionDeniedError,
+    RestoreTimeoutError,
     RNGCoordError,
     StaleEpochError,
 )
@@ -37,6 +39,7 @@ from rngcoord.v1.status import error_info
 JOB = "reasons"
 TOKEN = "reasons-token"
 ADMIN = "admin-token"
+AUDITOR = "auditor-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 
 
@@ -44,7 +47,7 @@ AUTH = (("authorization", f"Bearer {TOKEN}"),)
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorProcess]:
     root = tmp_path_factory.mktemp("reasons")
     tokens = root / "tokens"
-    tokens.write_text(f"{JOB} {TOKEN}\n* {ADMIN}\n")
+    tokens.write_text(f"{JOB} {TOKEN}\n* {ADMIN}\nreader auditor {JOB} {AUDITOR}\n")
     proc = CoordinatorProcess(
         f"sqlite:///{root / 'store.db'}", root, args=("--tokens", str(tokens))
     )
@@ -307,9 +310,56 @@ def test_bad_token(server: CoordinatorProcess, tmp_path: Path) -> None:
     assert (error.reason, dict(error.metadata)) == ("BAD_TOKEN", {"job": JOB})
 
 
+def test_not_permitted(server: CoordinatorProcess) -> None:
+    with CoordinatorClient(server.address, token=AUDITOR, retries=0) as auditor:
+        error = _client(
+            lambda: auditor.join_group(JOB, "g", rank=0, world_size=1, member_id="x"),
+            PermissionDeniedError,
+        )
+    assert error.reason == "NOT_PERMITTED"
+    assert dict(error.metadata) == {
+        "job": JOB,
+        "method": "JoinGroup",
+        "identity": "reader",
+        "role": "auditor",
+    }
+
+
+def test_restore_timeout(stub: pb_grpc.CoordinatorStub, client: CoordinatorClient) -> None:
+    members = _formed(stub, "voted", world_size=2)
+    error = _client(
+        lambda: client.restore(
+            JOB, "voted", epoch=1, seq=0, cursor=0, rank=0, member_id=members[0], timeout_s=0.2
+        ),
+        RestoreTimeoutError,
+    )
+    assert error.reason == "RESTORE_TIMEOUT"
+    assert dict(error.metadata) == {
+        "job": JOB,
+        "group": "voted",
+        "epoch": "1",
+        "seq": "0",
+        "cursor": "0",
+        "missing": "1",
+    }
+
+
+def test_malformed_request(server: CoordinatorProcess) -> None:
+    raw = server.channel().unary_unary(
+        "/rngcoord.v1.Coordinator/Reserve", request_serializer=None, response_deserializer=None
+    )
+    code, reason, meta = _raw(lambda: raw(b"\xff\xff", metadata=AUTH, timeout=10))
+    assert (code, reason, dict(meta)) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "MALFORMED_REQUEST",
+        {"method": "Reserve"},
+    )
+
+
 def test_every_reason_is_exercised() -> None:
-    # The reasons a live server can be driven into here; STORE_UNAVAILABLE and INTERNAL_ERROR
-    # have tests of their own (a store that fails, a server bug).
+    # The reasons a live server can be driven into here. Tests of their own: STORE_UNAVAILABLE
+    # and STORE_LOST (tests/server/test_store_loss.py), RATE_LIMITED (test_gate.py),
+    # INTERNAL_ERROR (a server bug).
     tested = {
         "INVALID_FIELD",
         "UNKNOWN_JOB",
@@ -325,7 +375,15 @@ def test_every_reason_is_exercised() -> None:
         "OFFSETS_EXHAUSTED",
         "JOIN_TIMEOUT",
         "BAD_TOKEN",
+        "NOT_PERMITTED",
+        "RESTORE_TIMEOUT",
+        "MALFORMED_REQUEST",
     }
     declared = set(pb.ErrorReason.keys()) - {"ERROR_REASON_UNSPECIFIED"}
-    assert declared - tested == {"STORE_UNAVAILABLE", "INTERNAL_ERROR"}
+    assert declared - tested == {
+        "STORE_UNAVAILABLE",
+        "STORE_LOST",
+        "RATE_LIMITED",
+        "INTERNAL_ERROR",
+    }
     assert tested <= declared

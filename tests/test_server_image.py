@@ -196,6 +196,7 @@ def test_serve_answers_grpc_health_without_torch(image_venv: Path, tmp_path: Pat
         "off",
         "--ready-file",
         str(ready),
+        "--init",
     ]
     log_path = tmp_path / "serve.log"
     with log_path.open("wb") as log:

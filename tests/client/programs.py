@@ -6,8 +6,9 @@ the cross-rank assertions. Two launchers run a program on ``world`` ranks:
 
 - :func:`start_gloo`: one subprocess per rank, a real gloo process group initialised by
   ``rngcoord.client.init_mesh`` from torchrun-style environment variables;
-- :func:`run_threads`: one subprocess whose threads are the ranks of PyTorch's multi-threaded
-  process group (torch.testing._internal.distributed.multi_threaded_pg).
+- :func:`run_threads` (and :func:`run_threads_async`): one subprocess whose threads are the
+  ranks of PyTorch's multi-threaded process group
+  (torch.testing._internal.distributed.multi_threaded_pg).
 
 Run as a script, this module is the subprocess: ``python programs.py MODE PROGRAM RANK WORLD
 OUTDIR ARGS_JSON``.
@@ -131,9 +132,14 @@ def start_gloo(program: str, world: int, outdir: Path, **args: Any) -> Job:
 
 def run_threads(program: str, world: int, outdir: Path, **args: Any) -> list[dict[str, Any]]:
     """Run ``program`` on ``world`` thread-ranks of a multi-threaded process group."""
+    return run_threads_async(program, world, outdir, **args).wait()
+
+
+def run_threads_async(program: str, world: int, outdir: Path, **args: Any) -> Job:
+    """Start ``program`` on ``world`` thread-ranks; ``wait()`` on the job for the results."""
     outdir.mkdir(parents=True, exist_ok=True)
     proc, log = _spawn("threads", program, 0, world, outdir, args, _child_env())
-    return Job([proc], outdir, [log], world).wait()
+    return Job([proc], outdir, [log], world)
 
 
 def wait_file(path: Path, timeout_s: float = 60.0) -> None:
@@ -388,6 +394,69 @@ def restart(ctx: Ctx) -> dict[str, Any]:
     finally:
         unregister(reference)
     return out
+
+
+@program
+def chaos(ctx: Ctx) -> dict[str, Any]:
+    """``ops`` rand((16,)) ops at a steady pace with 64-offset leases (a Reserve every 4 ops),
+    while the test stops, kills and restarts the coordinator. Rank 0 touches "running" once
+    the stream is under way."""
+    import torch.distributed.tensor as dt
+    from torch.distributed.tensor import Replicate as R
+
+    from rngcoord.client import RNGCoordError, init_mesh, install
+
+    mesh = init_mesh((ctx.world,), ("dp",), "cpu")
+    tracker = install(
+        mesh, ctx.args["addr"], job="chaos", seed=9, lease_size=64, deadline_s=5.0, retries=12
+    )
+    values = []
+    try:
+        for i in range(ctx.args["ops"]):
+            values.append(local(dt.rand((16,), device_mesh=mesh, placements=[R()])))
+            if i == 8 and ctx.rank == 0:
+                (ctx.outdir / "running").touch()
+            time.sleep(ctx.args["pace_s"])
+    except RNGCoordError as e:  # a clear failure is an allowed outcome; the test checks it
+        return {"values": values, "error": f"{type(e).__name__}: {e}"}
+    (manager,) = tracker.leases.values()
+    out = {"values": values, "error": None, "stats": vars(manager.stats).copy()}
+    tracker.close()
+    return out
+
+
+@program
+def rewound(ctx: Ctx) -> dict[str, Any]:
+    """Draw, let the test back the store up, draw on and save the tracker's state; once the
+    test has put the backup back, install again and load the state: the store went back in
+    time, and the tracker must refuse."""
+    import torch.distributed.tensor as dt
+    from torch.distributed.tensor import Replicate as R
+
+    from rngcoord.client import StoreMismatchError, init_mesh, install
+
+    mesh = init_mesh((ctx.world,), ("dp",), "cpu")
+
+    def ops(n: int) -> None:
+        for _ in range(n):
+            dt.rand((16,), device_mesh=mesh, placements=[R()])
+
+    tracker = install(mesh, ctx.args["addr"], job="rewound", seed=3, lease_size=64)
+    ops(4)
+    (ctx.outdir / "drawn").touch()
+    wait_file(ctx.outdir / "backed-up")
+    ops(40)
+    state = tracker.state_dict()
+    tracker.close()
+    (ctx.outdir / "saved").touch()
+    wait_file(ctx.outdir / "rewound")
+    again = install(mesh, ctx.args["addr"], job="rewound", seed=3, lease_size=64, retries=10)
+    again.load_state_dict(state)
+    try:
+        ops(1)
+    except StoreMismatchError as e:
+        return {"state": state, "error": str(e)}
+    return {"state": state, "error": None}
 
 
 @program

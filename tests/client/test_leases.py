@@ -12,6 +12,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -179,8 +180,9 @@ def test_restore_moves_the_next_lease(client: CoordinatorClient) -> None:
     for m in ranks:
         run_ops(m, jitter=False)
     digest = ranks[0].digest
-    for m in ranks:
-        m.restore(128, digest)
+    # Every rank votes, as each loads the checkpoint; the Restore waits for all of them.
+    with ThreadPoolExecutor(len(ranks)) as pool:
+        list(pool.map(lambda m: m.restore(128, digest), ranks))
     assert [m.advance(20, b"rand(20,)") for m in ranks] == [128, 128]
     assert [m.advance(100, b"rand(100,)") for m in ranks] == [148, 148]
     restores = client.list_audit(job="restore", kinds=["restore"])

@@ -26,7 +26,7 @@ def filled(tmp_path: Path) -> Iterator[str]:
     """A SQLite store with 2 groups: 1 job + 2 group + 2 epoch + 5 grant + 1 restore records."""
     url = f"sqlite:///{tmp_path / 'filled.db'}"
     loop = LoopThread()
-    store = CountingStore(SqliteStore(tmp_path / "filled.db"))
+    store = CountingStore(SqliteStore(tmp_path / "filled.db", create=True))
     h = InProcess(loop, store, ManualClock())
     try:
         for group, leases in (("tp", 3), ("dp", 2)):
@@ -113,19 +113,23 @@ def test_verify_exits_0_when_intact_1_when_tampered_2_when_missing(
 
     missing = run_cli("verify", "--db", f"sqlite:///{tmp_path / 'absent.db'}")
     assert missing.returncode == 2
-    assert "no database at" in missing.stderr
+    assert f"no rngcoord store at {tmp_path / 'absent.db'}" in missing.stderr
     assert not (tmp_path / "absent.db").exists()
 
 
 def test_serve_refuses_a_bad_token_file_a_busy_port_and_half_a_tls_setup(
     tmp_path: Path,
 ) -> None:
-    db = ["--db", f"sqlite:///{tmp_path / 's.db'}", "--metrics", "off"]
+    db = ["--db", f"sqlite:///{tmp_path / 's.db'}", "--metrics", "off", "--init"]
     tokens = tmp_path / "tokens"
-    tokens.write_text("job-a secret\njob-b\n")
+    tokens.write_text("job-a secret\njob-b s3cr3t-b extra\n")
     bad_tokens = run_cli("serve", "--listen", "127.0.0.1:0", *db, "--tokens", str(tokens))
     assert bad_tokens.returncode == 2
-    assert f"{tokens}:2: expected 'JOB TOKEN', got 1 fields" in bad_tokens.stderr
+    assert (
+        f"{tokens}:2: expected 'NAME ROLE JOBS TOKEN' (or the older 'JOB TOKEN'), got 3 fields"
+        in bad_tokens.stderr
+    )
+    assert "s3cr3t" not in bad_tokens.stderr
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

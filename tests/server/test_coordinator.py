@@ -9,6 +9,7 @@ a `ManualClock`, so no test sleeps through one.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
@@ -28,7 +29,7 @@ from harness import (
     records,
     reserve,
 )
-from rngcoord.server import audit, seeds
+from rngcoord.server import seeds
 from rngcoord.server.coordinator import Coordinator
 from rngcoord.server.errors import (
     CoordinatorError,
@@ -39,12 +40,13 @@ from rngcoord.server.errors import (
     NotFound,
     NotMember,
     ResourceExhausted,
+    RestoreTimeout,
     StaleEpoch,
 )
 from rngcoord.server.sqlite import SqliteStore
 from rngcoord.server.verify import verify
 from rngcoord.v1.rules import MAX_OFFSET
-from rngcoord.v1.types import AuditRecord, JoinResult, Lease, members_digest
+from rngcoord.v1.types import AuditRecord, JoinResult, Lease, RestoreResult, members_digest
 
 T = TypeVar("T")
 
@@ -69,7 +71,7 @@ def db(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def store(db: Path) -> Iterator[CountingStore]:
-    s = CountingStore(SqliteStore(db))
+    s = CountingStore(SqliteStore(db, create=True))
     yield s
     s.close()
 
@@ -189,12 +191,12 @@ def test_divergence_is_recorded_named_and_poisons_the_epoch(h: InProcess) -> Non
 
 def test_exhaustion_near_two_to_the_64_refuses_without_wrapping(h: InProcess) -> None:
     form(h)
-    h.run(h.coord.restore(JOB, "g", epoch=1, seq=0, cursor=MAX_OFFSET - 16, rank=0, member_id="m0"))
-    top = reserve(h, 0, size=16)
+    reserve(h, 0, size=MAX_OFFSET - 16)
+    top = reserve(h, 1, size=16)
     assert (top.start, top.end) == (MAX_OFFSET - 16, MAX_OFFSET)
     before = dump(h.store)
     with pytest.raises(ResourceExhausted) as err:
-        reserve(h, 1, size=4)
+        reserve(h, 2, size=4)
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert err.value.message == (
         f"group 'g' has used its offset space: lease of 4 at {MAX_OFFSET} would pass 2^64; "
@@ -504,44 +506,124 @@ def test_leave_fences_the_member_and_keeps_the_epoch(h: InProcess) -> None:
         h.run(h.coord.leave(JOB, "g", epoch=1, rank=0, member_id="x"))
 
 
-def test_restore_rewinds_and_is_idempotent(h: InProcess) -> None:
+def _restore(
+    h: InProcess, seq: int, cursor: int, rank: int, member: str, **kw: Any
+) -> concurrent.futures.Future[RestoreResult]:
+    """Start a Restore vote; the future completes when the Restore takes effect (or fails)."""
+    return h.start(
+        h.coord.restore(
+            JOB,
+            "g",
+            epoch=kw.pop("epoch", 1),
+            seq=seq,
+            cursor=cursor,
+            rank=rank,
+            member_id=member,
+            actor=f"id{rank}",
+            **kw,
+        )
+    )
+
+
+def _settled(future: concurrent.futures.Future[Any]) -> bool:
+    """Whether `future` completes within a moment (the coordinator had time to act)."""
+    try:
+        future.result(timeout=0.3)
+    except concurrent.futures.TimeoutError:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+def test_a_restore_takes_effect_only_when_every_member_asks(h: InProcess) -> None:
     form(h)
     for seq in range(3):
         reserve(h, seq)
-
-    def restore(seq: int, cursor: int, rank: int, member: str) -> bool:
-        result = h.run(
-            h.coord.restore(JOB, "g", epoch=1, seq=seq, cursor=cursor, rank=rank, member_id=member)
-        )
-        return result.existing
-
-    assert restore(3, 64, 0, "m0") is False
+    first = _restore(h, 3, 64, 0, "m0")
+    assert not _settled(first)  # one member's vote changes nothing
+    assert h.store.read(lambda tx: tx.fetchall("SELECT * FROM restores")) == []
+    second = _restore(h, 3, 64, 1, "m1")
+    assert second.result(5) == RestoreResult(64, existing=False)
+    assert first.result(5) == RestoreResult(64, existing=False)
+    # Asking again reads it back, writing nothing.
     writes, before = h.store.writes, dump(h.store)
-    assert restore(3, 64, 1, "m1") is True
-    assert h.store.writes == writes and dump(h.store) == before
-    with pytest.raises(FailedPrecondition) as conflict:
-        restore(3, 128, 0, "m0")
-    assert conflict.value.message == (
-        "seq 3 of group 'g' epoch 1 was already restored to cursor 64, not 128"
-    )
-    assert conflict.value.reason_name == "RESTORE_CONFLICT"
-    with pytest.raises(FailedPrecondition, match="lease 1 of group 'g' epoch 1 already granted"):
-        restore(1, 0, 0, "m0")
-    with pytest.raises(NotMember):
-        restore(4, 0, 0, "m1")
+    assert _restore(h, 3, 64, 0, "m0").result(5).existing is True
+    assert dump(h.store) == before and h.store.writes == writes + 1
     replay = [reserve(h, seq) for seq in (3, 4)]
     assert [(r.start, r.end) for r in replay] == [(64, 128), (128, 192)]
-    info = h.run(h.coord.get_group(JOB, "g"))
-    assert info.high_water == 192 and info.leases == 5
-    (restore_record,) = records(h, "restore")
-    assert restore_record.detail == {
+    (record,) = records(h, "restore")
+    assert record.detail == {
         "epoch": 1,
         "seq": 3,
         "cursor": 64,
         "high_water": 192,
-        "rank": 0,
+        "rank": 1,
+        "forced": False,
+        "votes": 2,
+        "voters": ["0:id0", "1:id1"],
     }
     assert verify(h.store).ok
+
+
+def test_a_single_members_restore_times_out_naming_the_others(h: InProcess) -> None:
+    form(h, members=("m0", "m1", "m2"))
+    reserve(h, 0)
+    lone = _restore(h, 1, 0, 0, "m0", timeout_s=5)
+    assert not _settled(lone)
+    h.advance(6)
+    with pytest.raises(RestoreTimeout) as timeout:
+        lone.result(5)
+    assert timeout.value.message == (
+        "restore of group 'g' epoch 1 seq 1 to cursor 0 timed out after 5s: ranks [1, 2] did "
+        "not ask for it; every member must load the same checkpoint"
+    )
+    assert timeout.value.metadata["missing"] == "1,2"
+    # It never took effect: the next lease continues the stream.
+    assert (reserve(h, 1).start, records(h, "restore")) == (64, [])
+
+
+def test_members_asking_for_different_cursors_conflict(h: InProcess) -> None:
+    form(h)
+    reserve(h, 0)
+    first = _restore(h, 1, 0, 0, "m0")
+    assert not _settled(first)
+    with pytest.raises(FailedPrecondition) as conflict:
+        _restore(h, 1, 32, 1, "m1").result(5)
+    assert conflict.value.reason_name == "RESTORE_CONFLICT"
+    assert conflict.value.message == (
+        "rank 1 asked to restore seq 1 of group 'g' epoch 1 to cursor 32, but 1 members asked "
+        "for cursor 0: every member must load the same checkpoint"
+    )
+    with pytest.raises(FailedPrecondition, match="lease 0 of group 'g' epoch 1 already granted"):
+        _restore(h, 0, 0, 1, "m1").result(5)
+    with pytest.raises(NotMember):
+        _restore(h, 1, 0, 1, "m0").result(5)
+
+
+def test_a_member_that_left_is_not_waited_for(h: InProcess) -> None:
+    form(h, members=("m0", "m1", "m2"))
+    h.run(h.coord.leave(JOB, "g", epoch=1, rank=2, member_id="m2"))
+    first = _restore(h, 0, 0, 0, "m0")
+    assert _restore(h, 0, 0, 1, "m1").result(5).cursor == 0
+    assert first.result(5).cursor == 0
+
+
+def test_a_forced_restore_takes_effect_alone(h: InProcess) -> None:
+    form(h)
+    reserve(h, 0)
+    assert _restore(h, 1, 0, 0, "m0", force=True).result(5) == RestoreResult(0, existing=False)
+    (record,) = records(h, "restore")
+    assert (record.detail["forced"], record.detail["voters"]) == (True, ["id0"])
+    assert (reserve(h, 1).start, verify(h.store).ok) == (0, True)
+
+
+def test_a_restore_must_leave_room_to_continue(h: InProcess) -> None:
+    form(h)
+    with pytest.raises(ResourceExhausted) as refused:
+        _restore(h, 0, MAX_OFFSET - 8, 0, "m0", force=True).result(5)
+    assert "less than 2^32" in refused.value.message
+    assert records(h, "restore") == []
 
 
 def test_restore_at_seq_zero_of_a_new_epoch_resumes_a_checkpoint(h: InProcess) -> None:
@@ -549,7 +631,8 @@ def test_restore_at_seq_zero_of_a_new_epoch_resumes_a_checkpoint(h: InProcess) -
     for seq in range(4):
         reserve(h, seq)
     form(h, members=("n0", "n1"))
-    h.run(h.coord.restore(JOB, "g", epoch=2, seq=0, cursor=128, rank=0, member_id="n0"))
+    votes = [_restore(h, 0, 128, rank, m, epoch=2) for rank, m in enumerate(("n0", "n1"))]
+    assert [v.result(5).cursor for v in votes] == [128, 128]
     resumed = reserve(h, 0, epoch=2, member="n0")
     assert (resumed.start, resumed.end) == (128, 192)
     assert verify(h.store).ok
@@ -581,16 +664,7 @@ def test_list_audit_filters_and_pages(h: InProcess, monkeypatch: pytest.MonkeyPa
     assert listed(until_us=middle) == until
     assert listed(job="other") == []
     for record in everything:
-        assert record.hash == audit.record_hash(
-            id=record.id,
-            ts_us=record.ts_us,
-            job=record.job,
-            group=record.group,
-            kind=record.kind,
-            actor=record.actor,
-            detail=record.detail,
-            prev_hash=record.prev_hash,
-        )
+        assert record.hash == h.coord.chain.record_hash(record)
 
 
 # -------------------------------------------------------------------- storm, durability
@@ -638,7 +712,7 @@ def test_a_committed_grant_survives_an_abandoned_store(db: Path, loop: LoopThrea
         await coordinator.start()
         return coordinator
 
-    first = loop.run(make(SqliteStore(db)))
+    first = loop.run(make(SqliteStore(db, create=True)))
 
     async def form_and_grant() -> Lease:
         await asyncio.gather(

@@ -45,7 +45,7 @@ def open_stores(db_url: str) -> Iterator[Callable[..., PostgresStore]]:
     opened: list[PostgresStore] = []
 
     def open_one(**kwargs: Any) -> PostgresStore:
-        store = PostgresStore(db_url, **kwargs)
+        store = PostgresStore(db_url, create=True, **kwargs)
         opened.append(store)
         return store
 
@@ -108,14 +108,14 @@ def test_concurrent_opens_migrate_once(db_url: str) -> None:
 
     def open_one(_: int) -> PostgresStore:
         barrier.wait()
-        return PostgresStore(db_url, max_readers=2)
+        return PostgresStore(db_url, create=True, max_readers=2)
 
     with ThreadPoolExecutor(4) as pool:
         stores = list(pool.map(open_one, range(4)))
     for store in stores:
         store.close()
     # And once more, on the migrated database.
-    PostgresStore(db_url).close()
+    PostgresStore(db_url, create=True).close()
 
     folder = resources.files("rngcoord.server") / "migrations" / "postgres"
     names = sorted(entry.name.removesuffix(".sql") for entry in folder.iterdir())

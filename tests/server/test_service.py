@@ -91,11 +91,17 @@ def test_restore_and_leave(coordinator: CoordinatorProcess) -> None:
     a, b = join_all(stub, JOB, "dp", 2)[0].members
     for seq in range(2):
         _reserve(stub, "dp", seq, a)
-    restore = pb.RestoreRequest(
-        job=JOB, group="dp", epoch=1, seq=2, cursor=256, rank=0, member_id=a
-    )
-    assert stub.Restore(restore, timeout=10) == pb.RestoreResponse(cursor=256, existing=False)
-    assert stub.Restore(restore, timeout=10) == pb.RestoreResponse(cursor=256, existing=True)
+    votes = [
+        pb.RestoreRequest(
+            job=JOB, group="dp", epoch=1, seq=2, cursor=256, rank=rank, member_id=member
+        )
+        for rank, member in enumerate((a, b))
+    ]
+    # Rank 0's vote waits for rank 1's; both return once the Restore has taken effect.
+    first = stub.Restore.future(votes[0], timeout=10)
+    assert stub.Restore(votes[1], timeout=10) == pb.RestoreResponse(cursor=256, existing=False)
+    assert first.result() == pb.RestoreResponse(cursor=256, existing=False)
+    assert stub.Restore(votes[0], timeout=10) == pb.RestoreResponse(cursor=256, existing=True)
     assert _reserve(stub, "dp", 2, a).lease.start == 256
     assert _reserve(stub, "dp", 3, a).lease.start == 512
     granted = _refused(

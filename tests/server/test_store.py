@@ -39,7 +39,7 @@ def test_bias_keeps_order_and_range() -> None:
 
 def test_write_is_durable_and_visible_to_a_second_store(tmp_path: Path) -> None:
     path = tmp_path / "c.db"
-    first = SqliteStore(path)
+    first = SqliteStore(path, create=True)
     assert first.write(_insert_job("j1", seed=(1 << 64) - 1)) == "j1"
     # The first store is abandoned (not closed): what write() returned must already be on disk.
     second = open_store(f"sqlite:///{path}")
@@ -50,7 +50,7 @@ def test_write_is_durable_and_visible_to_a_second_store(tmp_path: Path) -> None:
 
 
 def test_errors_roll_back_only_their_own_operation(tmp_path: Path) -> None:
-    store = SqliteStore(tmp_path / "c.db")
+    store = SqliteStore(tmp_path / "c.db", create=True)
 
     def refused(tx: Tx) -> None:
         tx.execute("INSERT INTO jobs (job, seed, created_us) VALUES ('refused', 0, 0)")
@@ -69,14 +69,15 @@ def test_errors_roll_back_only_their_own_operation(tmp_path: Path) -> None:
         store.write(refused)
     with pytest.raises(Divergence, match="recorded, then refused"):
         store.write(kept)
-    with pytest.raises(sqlite3.OperationalError, match="no_such_table"):
+    # A missing table may be a dropped schema: the database cannot serve, so UNAVAILABLE.
+    with pytest.raises(Unavailable, match="no such table: no_such_table"):
         store.write(broken)
     assert sorted(_jobs(store)) == ["kept", "ok"]
     store.close()
 
 
 def test_concurrent_writers_share_batches_and_all_commit(tmp_path: Path) -> None:
-    store = SqliteStore(tmp_path / "c.db")
+    store = SqliteStore(tmp_path / "c.db", create=True)
     names = [f"job-{i}" for i in range(64)]
     results: list[str] = []
     lock = threading.Lock()
@@ -97,7 +98,7 @@ def test_concurrent_writers_share_batches_and_all_commit(tmp_path: Path) -> None
 
 
 def test_reads_never_write(tmp_path: Path) -> None:
-    store = SqliteStore(tmp_path / "c.db")
+    store = SqliteStore(tmp_path / "c.db", create=True)
     with pytest.raises(sqlite3.OperationalError, match=r"readonly|read-only|query_only"):
         store.read(lambda tx: tx.execute("INSERT INTO jobs VALUES ('x', 0, 0)"))
     assert _jobs(store) == []
@@ -105,7 +106,7 @@ def test_reads_never_write(tmp_path: Path) -> None:
 
 
 def test_closed_store_refuses(tmp_path: Path) -> None:
-    store = SqliteStore(tmp_path / "c.db")
+    store = SqliteStore(tmp_path / "c.db", create=True)
     store.close()
     store.close()
     with pytest.raises(Unavailable, match="closed"):
@@ -116,10 +117,10 @@ def test_closed_store_refuses(tmp_path: Path) -> None:
 
 def test_migrations_apply_once(tmp_path: Path) -> None:
     path = tmp_path / "c.db"
-    SqliteStore(path).close()
+    SqliteStore(path, create=True).close()
     store = SqliteStore(path)
     rows = store.read(lambda tx: tx.fetchall("SELECT version, name FROM schema_version"))
-    assert rows == [(1, "001_initial"), (2, "002_members_by_rank")]
+    assert rows == [(1, "001_initial"), (2, "002_members_by_rank"), (3, "003_integrity")]
     head = store.read(lambda tx: tx.fetchone("SELECT last_id, last_hash FROM audit_head"))
     assert head == (0, "0" * 64)
     store.close()
@@ -161,7 +162,7 @@ def test_a_version_1_store_keeps_its_members_and_barriers(tmp_path: Path) -> Non
 
 def test_newer_schema_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "c.db"
-    SqliteStore(path).close()
+    SqliteStore(path, create=True).close()
     with sqlite3.connect(path) as conn:
         conn.execute("INSERT INTO schema_version VALUES (99, '099_future', 0)")
     with pytest.raises(RuntimeError, match="schema version 99"):
@@ -267,7 +268,7 @@ def test_the_writer_commits_to_stable_storage(store_url: str) -> None:
     # A grant is answered only after its commit; these settings make that commit durable.
     # (The crash tests SIGKILL the server, which the OS page cache survives, so they cannot
     # tell a commit that reached the disk from one that did not.)
-    store = open_store(store_url)
+    store = open_store(store_url, create=True)
     try:
         if store.dialect == "sqlite":
             assert store.write(lambda tx: tx.fetchone("PRAGMA synchronous")) == (2,)  # FULL

@@ -5,7 +5,14 @@ turns every gRPC status into an :mod:`rngcoord.client.errors` exception whose me
 what failed and what to do. All RPCs of the contract are idempotent (a JoinGroup retried with
 the same member id, a Reserve of the same key, an identical Restore), so the client retries
 them on UNAVAILABLE and DEADLINE_EXCEEDED, failing over across targets with exponential
-backoff and jitter, a bounded number of times.
+backoff and jitter, a bounded number of times (and after the wait a RATE_LIMITED refusal
+names).
+
+The client also watches *which* store answers: the store id of JoinGroup and GetGroup replies
+and of the audit head that JoinGroup and Reserve replies carry in their trailing metadata. The
+first one seen (or the one a checkpoint names, `expect_store`) is the job's store; another one
+raises :class:`StoreMismatchError` instead of handing out offsets a lost store already gave.
+The latest head is kept in `audit_head`, for checkpoints and `rngcoord verify --anchor`.
 """
 
 from __future__ import annotations
@@ -29,8 +36,11 @@ from rngcoord.client.errors import (
     NotFoundError,
     NotMemberError,
     OffsetsExhausted,
+    PermissionDeniedError,
+    RestoreTimeoutError,
     RNGCoordError,
     StaleEpochError,
+    StoreMismatchError,
 )
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
@@ -42,6 +52,7 @@ DEFAULT_ADDR = "localhost:29520"
 
 _T = TypeVar("_T")
 _RETRIABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+HEAD_TRAILER = "rngcoord-audit-head"
 # gRPC channels back off exponentially (up to 120 s by default) after a failed connect, and
 # fail calls fast meanwhile; a coordinator restart must be picked up within our own retries.
 _CHANNEL_OPTIONS = [
@@ -162,11 +173,67 @@ class CoordinatorClient:
         self.deadline_s = deadline_s
         self.retries = retries
         self.backoff_s = backoff_s
+        self._store_id: str | None = None
+        self._head = ""
+        self._head_id = -1
+        self._store_lock = threading.Lock()
 
     @property
     def targets(self) -> tuple[str, ...]:
         """The coordinator addresses, in failover order."""
         return tuple(self._targets)
+
+    @property
+    def store_id(self) -> str | None:
+        """The id of the store this client's job draws from: the first one a reply named, or
+        the one `expect_store` set; None before either."""
+        return self._store_id
+
+    @property
+    def audit_head(self) -> str:
+        """The latest audit chain head a reply carried, "STORE_ID:RECORD_ID:HASH:MAC" ("" before
+        any): keep it with checkpoints; `rngcoord verify --anchor` checks the chain against it."""
+        return self._head
+
+    def expect_store(self, store_id: str) -> None:
+        """Accept replies only from the store `store_id` (a checkpoint's); raise
+        :class:`StoreMismatchError` if another one has answered already."""
+        self._note_store(store_id, "the checkpoint being loaded")
+
+    def _note_store(self, store_id: str, where: str) -> None:
+        if not store_id:
+            return  # a coordinator older than store ids
+        with self._store_lock:
+            known = self._store_id
+            if known is None:
+                self._store_id = store_id
+                return
+        if known != store_id:
+            raise StoreMismatchError(
+                f"{where} names store {store_id}, but this job's random streams came from "
+                f"store {known}: the coordinator lost its store, or was started on another "
+                "one, and continuing could hand out offsets it already gave (the same random "
+                "numbers again). Restart the coordinator on the original store (--db); after a "
+                "loss, recover with `rngcoord serve --init --floor-from AUDIT_EXPORT`; to "
+                "start over on the new store on purpose, load the checkpoint without its "
+                "'store_id'",
+                reason="STORE_MISMATCH",
+                metadata={"expected": known, "found": store_id},
+            )
+
+    def _note_head(self, call: Any, where: str) -> None:
+        for key, value in call.trailing_metadata() or ():
+            if key != HEAD_TRAILER or not isinstance(value, str):
+                continue
+            parts = value.split(":")
+            if len(parts) != 4 or not parts[1].isdigit():
+                return
+            self._note_store(parts[0], where)
+            record_id = int(parts[1])
+            with self._store_lock:
+                if record_id > self._head_id:
+                    self._head_id, self._head = record_id, value
+            return
 
     def close(self) -> None:
         """Release the channels (the last client of a target closes its channel); the client
@@ -203,7 +270,13 @@ class CoordinatorClient:
             try:
                 return invoke(self._stubs[index], deadline_s, self._metadata)
             except grpc.RpcError as e:
+                self._note_head(e, f"{method} at {self._targets[index]}")
                 code = e.code()
+                wait_s = _rate_limited_wait(e) if attempt < self.retries else None
+                if wait_s is not None:
+                    time.sleep(wait_s)  # the server said when; the same target will take it
+                    last = e
+                    continue
                 if code not in _RETRIABLE or (
                     deadline_is_timeout and code is grpc.StatusCode.DEADLINE_EXCEEDED
                 ):
@@ -259,12 +332,15 @@ class CoordinatorClient:
         )
         if job_seed is not None:
             request.job_seed = job_seed
-        reply = self._call(
+        reply, call = self._call(
             "JoinGroup",
-            lambda s, d, m: s.JoinGroup(request, timeout=d, metadata=m),
+            lambda s, d, m: s.JoinGroup.with_call(request, timeout=d, metadata=m),
             timeout_s + self.deadline_s,
             deadline_is_timeout=True,
         )
+        where = f"JoinGroup of group {group!r} at {self._targets[self._current]}"
+        self._note_store(reply.store_id, where)
+        self._note_head(call, where)
         return JoinResult.from_pb(reply)
 
     def reserve(
@@ -290,11 +366,12 @@ class CoordinatorClient:
             rank=rank,
             member_id=member_id,
         )
-        reply = self._call(
+        reply, call = self._call(
             "Reserve",
-            lambda s, d, m: s.Reserve(request, timeout=d, metadata=m),
+            lambda s, d, m: s.Reserve.with_call(request, timeout=d, metadata=m),
             self.deadline_s,
         )
+        self._note_head(call, f"Reserve of group {group!r} at {self._targets[self._current]}")
         return Lease.from_pb(reply)
 
     def leave_group(self, job: str, group: str, *, epoch: int, rank: int, member_id: str) -> None:
@@ -322,6 +399,7 @@ class CoordinatorClient:
             lambda s, d, m: s.GetGroup(request, timeout=d, metadata=m),
             self.deadline_s,
         )
+        self._note_store(reply.store_id, f"GetGroup at {self._targets[self._current]}")
         return GroupInfo.from_pb(reply)
 
     def restore(
@@ -334,8 +412,24 @@ class CoordinatorClient:
         cursor: int,
         rank: int,
         member_id: str,
+        timeout_s: float = 60.0,
+        force: bool = False,
     ) -> RestoreResult:
-        """Make lease ``seq`` of the current epoch start at ``cursor`` (audited)."""
+        """Vote to make lease ``seq`` of the current epoch start at ``cursor`` (audited).
+
+        It takes effect, and this returns, once every current member of the epoch has asked
+        for the same ``(seq, cursor)``: each rank of the group calls it when it loads the same
+        checkpoint.
+
+        Args:
+            job, group, epoch, seq, cursor, rank, member_id: as the request.
+            timeout_s: How long the coordinator waits for the other members. Default 60.0.
+            force: Take effect without the other members (admin tokens only). Default
+                ``False``.
+
+        Raises:
+            RestoreTimeoutError: not every member asked within ``timeout_s``.
+        """
         request = pb.RestoreRequest(
             job=job,
             group=group,
@@ -344,11 +438,14 @@ class CoordinatorClient:
             cursor=cursor,
             rank=rank,
             member_id=member_id,
+            force=force,
+            timeout_ms=max(1, round(timeout_s * 1000)),
         )
         reply = self._call(
             "Restore",
             lambda s, d, m: s.Restore(request, timeout=d, metadata=m),
-            self.deadline_s,
+            timeout_s + self.deadline_s,
+            deadline_is_timeout=True,
         )
         return RestoreResult.from_pb(reply)
 
@@ -419,7 +516,35 @@ _HINTS: dict[str, tuple[type[RNGCoordError], str]] = {
         "start every rank of the group, or raise the join timeout",
     ),
     "BAD_TOKEN": (AuthenticationError, "pass token= or set RNGCOORD_TOKEN to the job's token"),
+    "NOT_PERMITTED": (
+        PermissionDeniedError,
+        "use a token whose role and job patterns allow this call (the server's token file)",
+    ),
+    "RESTORE_TIMEOUT": (
+        RestoreTimeoutError,
+        "every rank of the group must load the same checkpoint (load_state_dict) at the same "
+        "point of its op sequence",
+    ),
+    "MALFORMED_REQUEST": (InvalidRequest, "client and coordinator must speak rngcoord.v1"),
+    "RATE_LIMITED": (
+        CoordinatorUnavailable,
+        "this host sends more calls than the coordinator's --peer-rate allows",
+    ),
 }
+
+
+def _rate_limited_wait(error: grpc.RpcError) -> float | None:
+    """Seconds to wait before retrying a call refused as RATE_LIMITED (None: not refused so)."""
+    if error.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    info = error_info(error)
+    if info is None or info.reason != "RATE_LIMITED":
+        return None
+    try:
+        wait_ms = int(info.metadata.get("retry_after_ms", "100"))
+    except ValueError:
+        wait_ms = 100
+    return min(max(wait_ms, 1) / 1000, _MAX_SLEEP_S)
 
 
 def _map_error(method: str, target: str, error: grpc.RpcError) -> RNGCoordError:

@@ -522,7 +522,8 @@ class Coordinator:
 
     Args:
         db_url: the store; the demo's is new, so the server creates it (--init).
-        workdir: where its ready file and log (coordinator.log) go.
+        workdir: where its ready file, log (coordinator.log), audit key (audit.key, written
+            by --init) and anchor file (anchors.jsonl) go.
         tokens: a token file. Default None: no authentication.
     """
 
@@ -540,6 +541,11 @@ class Coordinator:
             "off",
             "--ready-file",
             str(workdir / "coordinator.ready"),
+            "--init",
+            "--audit-key",
+            str(workdir / "audit.key"),
+            "--anchor-file",
+            str(workdir / "anchors.jsonl"),
         ]
         if tokens is not None:
             self._cmd += ["--tokens", str(tokens)]
@@ -653,8 +659,8 @@ class _Demo:
 
     def run(self) -> list[Check]:
         tokens = self.workdir / "tokens"
-        # One admin line: the token is valid for every job of the demo.
-        tokens.write_text(f"* {self.token}\n")
+        # One identity, a member of every job of the demo: audit records name it.
+        tokens.write_text(f"trainer member demo-* {self.token}\n")
         log = self.workdir / "coordinator.log"
         with Coordinator(self.db_url, self.workdir, tokens=tokens) as address:
             print(
@@ -669,7 +675,15 @@ class _Demo:
         print(f"\n== 4. the audit log ($ rngcoord audit --db {self.db_url})")
         rngcoord("audit", "--db", self.db_url)
         print(f"\n== 5. $ rngcoord verify --db {self.db_url}")
-        status = rngcoord("verify", "--db", self.db_url)
+        status = rngcoord(
+            "verify",
+            "--db",
+            self.db_url,
+            "--audit-key",
+            str(self.workdir / "audit.key"),
+            "--anchor",
+            str(self.workdir / "anchors.jsonl"),
+        )
         self.checks.append(
             Check("rngcoord verify", status == 0, f"exit status {status}, output above")
         )

@@ -86,6 +86,21 @@ class AuthenticationError(RNGCoordError):
     """The bearer token is missing or wrong for the job (UNAUTHENTICATED)."""
 
 
+class PermissionDeniedError(AuthenticationError):
+    """The token is valid, but its role or jobs do not allow the call (PERMISSION_DENIED)."""
+
+
+class StoreMismatchError(RNGCoordError):
+    """The coordinator answers from another store than the one this job's streams came from,
+    or its state went backwards (an older epoch, a lower high-water mark): continuing would
+    hand out offsets that were already used, so the client stops."""
+
+
+class RestoreTimeoutError(RNGCoordError):
+    """A Restore did not take effect in time: not every member of the group asked for it; the
+    message and ``metadata["missing"]`` name the ranks that did not."""
+
+
 class JoinTimeoutError(RNGCoordError):
     """A JoinGroup barrier timed out; the message names the ranks that did not join."""
 

@@ -201,6 +201,8 @@ class LeaseManager:
             are reported as a divergence). Default: :class:`LeaseSchedule`'s defaults.
         resume: Where to continue instead of the epoch's start, as :meth:`restore` does;
             ``None`` (default) starts at the epoch's start cursor.
+        restore_timeout_s: How long a Restore waits for the group's other members to ask for
+            it too. Default 60.0.
     """
 
     def __init__(
@@ -214,8 +216,10 @@ class LeaseManager:
         joined: JoinResult,
         schedule: LeaseSchedule | None = None,
         resume: StreamState | None = None,
+        restore_timeout_s: float = 60.0,
     ) -> None:
         self._client = client
+        self.restore_timeout_s = restore_timeout_s
         self.job = job
         self.group = group
         self.rank = rank
@@ -443,8 +447,12 @@ class LeaseManager:
         """Continue the stream at ``cursor`` with fingerprint chain ``digest``.
 
         Sends a Restore for the first lease seq this rank has not requested: every rank of
-        the group that restores at the same point of its op sequence names the same seq, and
-        the coordinator records it once (audited).
+        the group that restores at the same point of its op sequence names the same seq. The
+        coordinator applies it once every member has asked (each rank's call is its vote, and
+        returns then), and records it with the voters (audited).
+
+        Raises:
+            RestoreTimeoutError: not every member asked within ``restore_timeout_s``.
         """
         try:
             check_cursor(cursor)
@@ -461,6 +469,7 @@ class LeaseManager:
             cursor=cursor,
             rank=self.rank,
             member_id=self.member_id,
+            timeout_s=self.restore_timeout_s,
         )
         self._generation += 1
         self._anchor(seq, cursor, digest)

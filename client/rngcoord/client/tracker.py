@@ -63,9 +63,10 @@ from rngcoord.client.devices import (
     pack_philox,
     unpack_philox,
 )
-from rngcoord.client.errors import InvalidRequest, RNGCoordError
+from rngcoord.client.errors import InvalidRequest, RNGCoordError, StoreMismatchError
 from rngcoord.client.groups import GroupSpec, mesh_group, shared_group
 from rngcoord.client.leases import INITIAL_DIGEST, LeaseManager, LeaseSchedule, StreamState
+from rngcoord.v1.types import JoinResult
 
 logger = logging.getLogger(__name__)
 
@@ -561,6 +562,11 @@ def _streams_of(state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             "origin": origin,
             "largest_op": largest,
         }
+        epoch = entry.get("epoch")
+        if epoch is not None:
+            if not isinstance(epoch, int) or epoch < 0:
+                raise InvalidRequest(f"stream {tag!r} of the state dict has epoch {epoch!r}")
+            checked[tag]["epoch"] = epoch
     return checked
 
 
@@ -625,6 +631,8 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         self._pending: dict[str, dict[str, Any]] = {}
         self._join_lock = threading.Lock()
         self._shared = shared_group(device_mesh, self.rank) if shared_stream else None
+        self._expected_store: str | None = None
+        self._saved_head = ""
 
     @property
     def job_seed(self) -> int | None:
@@ -671,6 +679,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         pending = self._pending.pop(group.name, None)
         if pending is not None:
             _check_seed(group.name, pending["seed"], joined.seed)
+            _check_forward(group.name, pending, joined, self.client.store_id)
             resume = StreamState(
                 pending["offset"], pending["digest"], pending["origin"], pending["largest_op"]
             )
@@ -683,6 +692,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
             joined=joined,
             schedule=self.schedule,
             resume=resume,
+            restore_timeout_s=self.join_timeout_s,
         )
         self._managers[group.name] = manager
         self._streams[group.name] = manager
@@ -710,12 +720,25 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         manager.restore(offset, manager.digest)
 
     def state_dict(self) -> dict[str, Any]:
-        """The position of every group: ``{"format", "job", "job_seed", "streams": {group:
-        {"seed", "offset", "digest"}}}``, groups loaded but not joined yet included."""
+        """The position of every group: ``{"format", "job", "job_seed", "store_id",
+        "audit_head", "streams": {group: {"seed", "offset", "digest", "origin",
+        "largest_op", "epoch"}}}``, groups loaded but not joined yet included.
+
+        ``store_id`` is the coordinator store the streams came from: loading the state into
+        the same job where another store answers raises
+        :class:`~rngcoord.client.errors.StoreMismatchError`, as does a group whose epoch or
+        high-water mark is behind the state's.
+        ``audit_head`` is the latest audit chain head the coordinator sent (for
+        ``rngcoord verify --anchor``).
+        """
         state = super().state_dict()
+        for tag, manager in self._managers.items():
+            state["streams"][tag]["epoch"] = manager.epoch
         state["streams"].update({tag: dict(entry) for tag, entry in self._pending.items()})
         state["job"] = self.job
         state["job_seed"] = self._job_seed
+        state["store_id"] = self.client.store_id or self._expected_store
+        state["audit_head"] = self.client.audit_head or self._saved_head
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -732,8 +755,23 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         Raises:
             InvalidRequest: the state is malformed, or a group's seed differs from the
                 state's (another root seed): pass the saved job's root seed to install().
+            StoreMismatchError: the state is this job's, and another store answers, or a
+                group's epoch or high-water mark is behind the state's.
+            RestoreTimeoutError: the group's other members did not load it too in time.
         """
         streams = _streams_of(state)
+        if state.get("job") == self.job:
+            # The same job continues: its streams must come from the same store, and move
+            # only forward. A state loaded into another job starts that job's streams anew.
+            store_id, head = state.get("store_id"), state.get("audit_head")
+            if isinstance(store_id, str) and store_id:
+                self.client.expect_store(store_id)
+                self._expected_store = store_id
+            if isinstance(head, str):
+                self._saved_head = head
+        else:
+            for entry in streams.values():
+                entry.pop("epoch", None)
         saved_seed = state.get("job_seed")
         if self._job_seed is None and not self._managers and isinstance(saved_seed, int):
             self._job_seed = saved_seed
@@ -762,6 +800,31 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
             self.client.close()
         if errors:
             logger.warning("rngcoord: leaving groups failed: %s", "; ".join(map(str, errors)))
+
+
+def _check_forward(
+    group: str, saved: Mapping[str, Any], joined: JoinResult, store_id: str | None
+) -> None:
+    """Refuse a join whose epoch or high-water mark is behind what a checkpoint of this job
+    saw (its streams carry their epoch): the store went back in time (restored from an older
+    backup), and offsets would repeat."""
+    epoch = saved.get("epoch")
+    if not isinstance(epoch, int):
+        return  # another job's state, or one saved before epochs were kept
+    behind = []
+    if joined.epoch <= epoch:
+        behind.append(f"epoch {joined.epoch}, not after the saved epoch {epoch}")
+    if joined.start < saved["offset"]:
+        behind.append(f"high-water mark {joined.start}, below the saved cursor {saved['offset']}")
+    if behind:
+        raise StoreMismatchError(
+            f"group {group!r} came back with {' and '.join(behind)}: the coordinator's store "
+            f"(id {store_id}) went back in time, e.g. restored from an older backup, and "
+            "continuing could hand out offsets that were already used. Restore the latest "
+            "store, or recover with `rngcoord serve --init --floor-from AUDIT_EXPORT`",
+            reason="STORE_MISMATCH",
+            metadata={"group": group},
+        )
 
 
 def _check_seed(group: str, saved: int, current: int) -> None:

@@ -25,6 +25,19 @@ Errors: the gRPC rich error model. Every refusal carries a google.rpc.Status in 
 naming what was refused (group, epoch, seq, ranks...). Clients branch on `reason`, never on
 the message, which is for people and may change. Stored state is never changed by a refused
 request, except that a divergence is recorded in the audit log.
+
+Tamper evidence: every JoinGroup and Reserve reply, and every refusal of the coordinator,
+carries the audit chain's current head in the trailing metadata `rngcoord-audit-head`, as
+"STORE_ID:RECORD_ID:HASH:MAC" (MAC: the HMAC-SHA256 under the server's audit key of
+"rngcoord/v1/anchor:STORE_ID:RECORD_ID:HASH", empty when the chain is unkeyed). Clients
+keep the last one in their checkpoints; `rngcoord verify --anchor` checks the chain against
+it, and a client that meets another STORE_ID than its job's stops.
+
+Authorization: a bearer token in the `authorization` metadata names an identity, a role and
+the jobs it may act on. member: every RPC of its jobs but a forced Restore; auditor:
+GetGroup and ListAudit of its jobs; admin: everything. A missing or unknown token is
+UNAUTHENTICATED (BAD_TOKEN); a known one used outside its role or jobs is PERMISSION_DENIED
+(NOT_PERMITTED).
 """
 
 from collections import abc as _abc
@@ -100,6 +113,25 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """UNAUTHENTICATED. A missing or wrong bearer token for the job. metadata: job."""
     INTERNAL_ERROR: _ErrorReason.ValueType  # 16
     """INTERNAL. A server bug; the server logged it. metadata: incident."""
+    NOT_PERMITTED: _ErrorReason.ValueType  # 17
+    """PERMISSION_DENIED. A valid token used outside its role or jobs.
+    metadata: job, method, identity, role.
+    """
+    RATE_LIMITED: _ErrorReason.ValueType  # 18
+    """RESOURCE_EXHAUSTED. The caller's address sent more requests than the server's per-peer
+    rate allows. metadata: peer, rate.
+    """
+    RESTORE_TIMEOUT: _ErrorReason.ValueType  # 19
+    """DEADLINE_EXCEEDED. Not every member asked for the Restore in time.
+    metadata: job, group, epoch, seq, cursor, missing (the ranks that did not ask).
+    """
+    MALFORMED_REQUEST: _ErrorReason.ValueType  # 20
+    """INVALID_ARGUMENT. The request could not be decoded. metadata: method."""
+    STORE_LOST: _ErrorReason.ValueType  # 21
+    """UNAVAILABLE. The server's store is gone or was replaced under it (its file deleted or
+    swapped, its schema dropped): it refuses every call and reports NOT_SERVING until it is
+    restarted on the right store. metadata: store_id, location.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Why a request was refused: ErrorInfo.reason is one of these names. Each comment gives the
@@ -157,6 +189,25 @@ BAD_TOKEN: ErrorReason.ValueType  # 15
 """UNAUTHENTICATED. A missing or wrong bearer token for the job. metadata: job."""
 INTERNAL_ERROR: ErrorReason.ValueType  # 16
 """INTERNAL. A server bug; the server logged it. metadata: incident."""
+NOT_PERMITTED: ErrorReason.ValueType  # 17
+"""PERMISSION_DENIED. A valid token used outside its role or jobs.
+metadata: job, method, identity, role.
+"""
+RATE_LIMITED: ErrorReason.ValueType  # 18
+"""RESOURCE_EXHAUSTED. The caller's address sent more requests than the server's per-peer
+rate allows. metadata: peer, rate.
+"""
+RESTORE_TIMEOUT: ErrorReason.ValueType  # 19
+"""DEADLINE_EXCEEDED. Not every member asked for the Restore in time.
+metadata: job, group, epoch, seq, cursor, missing (the ranks that did not ask).
+"""
+MALFORMED_REQUEST: ErrorReason.ValueType  # 20
+"""INVALID_ARGUMENT. The request could not be decoded. metadata: method."""
+STORE_LOST: ErrorReason.ValueType  # 21
+"""UNAVAILABLE. The server's store is gone or was replaced under it (its file deleted or
+swapped, its schema dropped): it refuses every call and reports NOT_SERVING until it is
+restarted on the right store. metadata: store_id, location.
+"""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
 @_typing.final
@@ -226,6 +277,7 @@ class JoinGroupResponse(_message.Message):
     MEMBERS_FIELD_NUMBER: _builtins.int
     MEMBERS_DIGEST_FIELD_NUMBER: _builtins.int
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    STORE_ID_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """The epoch that this join formed. Every rank of the barrier gets the same number."""
     seed: _builtins.int
@@ -238,6 +290,10 @@ class JoinGroupResponse(_message.Message):
     """SHA-256 of the epoch's member set: of "RANK:MEMBER_ID\\n" for every rank in order."""
     world_size: _builtins.int
     """Number of ranks in the epoch."""
+    store_id: _builtins.str
+    """The store's identity, drawn when it was created. A client that meets another one for the
+    same job stops: the coordinator lost its store, and the streams would repeat.
+    """
     @_builtins.property
     def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The member ids of the epoch, indexed by rank; only when the request set include_members."""
@@ -252,10 +308,11 @@ class JoinGroupResponse(_message.Message):
         members: _abc.Iterable[_builtins.str] | None = ...,
         members_digest: _builtins.bytes = ...,
         world_size: _builtins.int = ...,
+        store_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_seed", b"job_seed", "members", b"members", "members_digest", b"members_digest", "seed", b"seed", "start", b"start", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_seed", b"job_seed", "members", b"members", "members_digest", b"members_digest", "seed", b"seed", "start", b"start", "store_id", b"store_id", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -462,6 +519,7 @@ class GetGroupResponse(_message.Message):
     MEMBERS_FROM_FIELD_NUMBER: _builtins.int
     MEMBERS_NEXT_FIELD_NUMBER: _builtins.int
     MEMBERS_DIGEST_FIELD_NUMBER: _builtins.int
+    STORE_ID_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     group: _builtins.str
     seed: _builtins.int
@@ -481,6 +539,8 @@ class GetGroupResponse(_message.Message):
     members_next: _builtins.int
     members_digest: _builtins.bytes
     """SHA-256 of the current epoch's member set, as in JoinGroupResponse."""
+    store_id: _builtins.str
+    """The store's identity, as in JoinGroupResponse."""
     @_builtins.property
     def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """A page of the current epoch's member ids by rank, from rank `members_from`; an empty string
@@ -502,10 +562,11 @@ class GetGroupResponse(_message.Message):
         members_from: _builtins.int = ...,
         members_next: _builtins.int = ...,
         members_digest: _builtins.bytes = ...,
+        store_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "group", b"group", "high_water", b"high_water", "job", b"job", "job_seed", b"job_seed", "leases", b"leases", "members", b"members", "members_digest", b"members_digest", "members_from", b"members_from", "members_next", b"members_next", "seed", b"seed", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "group", b"group", "high_water", b"high_water", "job", b"job", "job_seed", b"job_seed", "leases", b"leases", "members", b"members", "members_digest", b"members_digest", "members_from", b"members_from", "members_next", b"members_next", "seed", b"seed", "store_id", b"store_id", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -522,6 +583,8 @@ class RestoreRequest(_message.Message):
     CURSOR_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     MEMBER_ID_FIELD_NUMBER: _builtins.int
+    FORCE_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     group: _builtins.str
     epoch: _builtins.int
@@ -532,6 +595,12 @@ class RestoreRequest(_message.Message):
     """The stream position to resume from, a multiple of 4."""
     rank: _builtins.int
     member_id: _builtins.str
+    force: _builtins.bool
+    """Take effect at once, without the other members' votes: admin tokens only."""
+    timeout_ms: _builtins.int
+    """How long to wait for the other members' votes, in milliseconds. 0 means the server's
+    default join timeout; the server caps it as it caps JoinGroup's.
+    """
     def __init__(
         self,
         *,
@@ -542,10 +611,12 @@ class RestoreRequest(_message.Message):
         cursor: _builtins.int = ...,
         rank: _builtins.int = ...,
         member_id: _builtins.str = ...,
+        force: _builtins.bool = ...,
+        timeout_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "epoch", b"epoch", "group", b"group", "job", b"job", "member_id", b"member_id", "rank", b"rank", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "epoch", b"epoch", "force", b"force", "group", b"group", "job", b"job", "member_id", b"member_id", "rank", b"rank", "seq", b"seq", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

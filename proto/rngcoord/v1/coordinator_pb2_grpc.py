@@ -106,8 +106,11 @@ class CoordinatorServicer:
 
     def Restore(self, request, context):
         """Restore rewinds a group's stream for a bitwise-exact resume: the lease `seq` of the
-        current epoch will start at `cursor`. It may reuse offsets that were granted before, and
-        it is recorded in the audit log.
+        current epoch will start at `cursor`. It may reuse offsets that were granted before, so it
+        takes effect only by consensus: each member's request is a vote, and the call returns once
+        every current member of the epoch has asked for the same (seq, cursor) (or fails with
+        RESTORE_TIMEOUT naming those that did not). An admin may force it alone. It is recorded
+        in the audit log with the identities that asked.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

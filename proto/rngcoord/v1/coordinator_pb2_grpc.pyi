@@ -25,6 +25,19 @@ Errors: the gRPC rich error model. Every refusal carries a google.rpc.Status in 
 naming what was refused (group, epoch, seq, ranks...). Clients branch on `reason`, never on
 the message, which is for people and may change. Stored state is never changed by a refused
 request, except that a divergence is recorded in the audit log.
+
+Tamper evidence: every JoinGroup and Reserve reply, and every refusal of the coordinator,
+carries the audit chain's current head in the trailing metadata `rngcoord-audit-head`, as
+"STORE_ID:RECORD_ID:HASH:MAC" (MAC: the HMAC-SHA256 under the server's audit key of
+"rngcoord/v1/anchor:STORE_ID:RECORD_ID:HASH", empty when the chain is unkeyed). Clients
+keep the last one in their checkpoints; `rngcoord verify --anchor` checks the chain against
+it, and a client that meets another STORE_ID than its job's stops.
+
+Authorization: a bearer token in the `authorization` metadata names an identity, a role and
+the jobs it may act on. member: every RPC of its jobs but a forced Restore; auditor:
+GetGroup and ListAudit of its jobs; admin: everything. A missing or unknown token is
+UNAUTHENTICATED (BAD_TOKEN); a known one used outside its role or jobs is PERMISSION_DENIED
+(NOT_PERMITTED).
 """
 
 from collections import abc as _abc
@@ -75,8 +88,11 @@ class CoordinatorStub:
     """
     Restore: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RestoreRequest, _coordinator_pb2.RestoreResponse]
     """Restore rewinds a group's stream for a bitwise-exact resume: the lease `seq` of the
-    current epoch will start at `cursor`. It may reuse offsets that were granted before, and
-    it is recorded in the audit log.
+    current epoch will start at `cursor`. It may reuse offsets that were granted before, so it
+    takes effect only by consensus: each member's request is a vote, and the call returns once
+    every current member of the epoch has asked for the same (seq, cursor) (or fails with
+    RESTORE_TIMEOUT naming those that did not). An admin may force it alone. It is recorded
+    in the audit log with the identities that asked.
     """
     ListAudit: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.ListAuditRequest, _coordinator_pb2.AuditRecord]
     """ListAudit streams audit records in chain order, oldest first."""
@@ -104,8 +120,11 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """
     Restore: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RestoreRequest, _coordinator_pb2.RestoreResponse]  # type: ignore[assignment]
     """Restore rewinds a group's stream for a bitwise-exact resume: the lease `seq` of the
-    current epoch will start at `cursor`. It may reuse offsets that were granted before, and
-    it is recorded in the audit log.
+    current epoch will start at `cursor`. It may reuse offsets that were granted before, so it
+    takes effect only by consensus: each member's request is a vote, and the call returns once
+    every current member of the epoch has asked for the same (seq, cursor) (or fails with
+    RESTORE_TIMEOUT naming those that did not). An admin may force it alone. It is recorded
+    in the audit log with the identities that asked.
     """
     ListAudit: _aio.UnaryStreamMultiCallable[_coordinator_pb2.ListAuditRequest, _coordinator_pb2.AuditRecord]  # type: ignore[assignment]
     """ListAudit streams audit records in chain order, oldest first."""
@@ -160,8 +179,11 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.RestoreResponse, _abc.Awaitable[_coordinator_pb2.RestoreResponse]]:
         """Restore rewinds a group's stream for a bitwise-exact resume: the lease `seq` of the
-        current epoch will start at `cursor`. It may reuse offsets that were granted before, and
-        it is recorded in the audit log.
+        current epoch will start at `cursor`. It may reuse offsets that were granted before, so it
+        takes effect only by consensus: each member's request is a vote, and the call returns once
+        every current member of the epoch has asked for the same (seq, cursor) (or fails with
+        RESTORE_TIMEOUT naming those that did not). An admin may force it alone. It is recorded
+        in the audit log with the identities that asked.
         """
 
     @_abc_1.abstractmethod

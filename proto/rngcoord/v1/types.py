@@ -49,6 +49,8 @@ class JoinResult:
         world_size: number of ranks in the epoch.
         members_digest: `members_digest` of the epoch's member set.
         members: member ids by rank, when they were asked for; else empty. Default empty.
+        store_id: the id of the store the coordinator serves from. Default "" (the server
+            sets it on the reply).
     """
 
     epoch: int
@@ -58,6 +60,7 @@ class JoinResult:
     world_size: int
     members_digest: bytes
     members: tuple[str, ...] = ()
+    store_id: str = ""
 
     def to_pb(self, *, include_members: bool) -> pb.JoinGroupResponse:
         return pb.JoinGroupResponse(
@@ -68,6 +71,7 @@ class JoinResult:
             members=self.members if include_members else (),
             members_digest=self.members_digest,
             world_size=self.world_size,
+            store_id=self.store_id,
         )
 
     @classmethod
@@ -80,6 +84,7 @@ class JoinResult:
             reply.world_size,
             reply.members_digest,
             tuple(reply.members),
+            reply.store_id,
         )
 
 
@@ -142,6 +147,7 @@ class GroupInfo:
         high_water: one past the highest offset ever granted in the group.
         leases: number of leases granted in the current epoch.
         job_seed: the job's root seed.
+        store_id: as in `JoinResult`. Default "".
     """
 
     job: str
@@ -156,6 +162,7 @@ class GroupInfo:
     high_water: int
     leases: int
     job_seed: int
+    store_id: str = ""
 
     def to_pb(self) -> pb.GetGroupResponse:
         return pb.GetGroupResponse(
@@ -171,6 +178,7 @@ class GroupInfo:
             members_from=self.members_from,
             members_next=self.members_next,
             members_digest=self.members_digest,
+            store_id=self.store_id,
         )
 
     @classmethod
@@ -188,6 +196,7 @@ class GroupInfo:
             reply.high_water,
             reply.leases,
             reply.job_seed,
+            reply.store_id,
         )
 
 

@@ -1,26 +1,38 @@
 """Assembles and runs one coordinator server process on an asyncio event loop.
 
-`run_server` builds everything and serves until told to stop: the store, the Coordinator, a
-`grpc.aio` server carrying the Coordinator servicer (behind the bearer-token interceptor when
-tokens are given), the grpc.health.v1 health service and server reflection, optional
-TLS/mTLS, and the Prometheus HTTP endpoint. No RPC holds a thread: handlers are coroutines,
-the store's writes go to its group-commit writer thread and its reads to a few reader
-threads.
+`run_server` builds everything and serves until told to stop: the store (created only with
+`init`; see `open_for_serving`), the audit chain (keyed with the audit key), the Coordinator,
+a `grpc.aio` server carrying the Coordinator servicer behind the gate (rate limit, decoding,
+tokens and roles: rngcoord.server.gate), the grpc.health.v1 health service (NOT_SERVING while
+the store is lost or failing) and server reflection, optional TLS/mTLS, the Prometheus HTTP
+endpoint, and the anchor writer (the chain's head, signed, to an append-only file and the
+log). No RPC holds a thread: handlers are coroutines, the store's writes go to its
+group-commit writer thread and its reads to a few reader threads.
+
+Limits (each refusal names itself): connections per process (`max_connections`, below the
+file-descriptor limit, which is raised to its hard maximum), a handshake timeout for
+connections that never speak HTTP/2, an idle timeout, keepalive pings, requests of at most
+1 MiB, concurrent streams per connection, a per-peer-host call rate, and the JoinGroup and
+Restore wait caps.
 
 `start_server` runs one in a background thread of its own, for embedding in another program
 or a test. `serve` is what `rngcoord serve` runs: one process (`workers=1`), or a supervisor
 of several worker processes that share the port (rngcoord.server.workers). It writes the ready
-file, waits for SIGTERM or SIGINT, then drains (health NOT_SERVING, in-flight RPCs get
-`grace_s` to finish), closes the store and returns exit status 0.
+file, reloads the token file on SIGHUP, waits for SIGTERM or SIGINT, then drains (health
+NOT_SERVING, in-flight RPCs get `grace_s` to finish), closes the store and returns exit
+status 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import resource
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from http.server import HTTPServer
@@ -31,12 +43,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rngcoord.server import audit
 from rngcoord.server.addresses import join_host_port, redact_url, split_host_port
-from rngcoord.server.auth import TokenAuthInterceptor, load_tokens
+from rngcoord.server.auth import TokenTable, load_tokens
 from rngcoord.server.coordinator import Coordinator
+from rngcoord.server.floors import apply_floors, read_floors
+from rngcoord.server.gate import Gate, PeerRateLimit
 from rngcoord.server.logs import configure, event, get_logger
 from rngcoord.server.metrics import Metrics
 from rngcoord.server.service import CoordinatorServicer
+from rngcoord.server.store import Store
 from rngcoord.server.stores import open_store
 from rngcoord.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -48,6 +64,12 @@ _log = get_logger("app")
 
 _MAX_PENDING_CALLS = 1 << 20
 _MAX_QUEUED_S = 600
+_MAX_REQUEST_BYTES = 1 << 20
+_FDS_KEPT = 256
+"""File descriptors kept back from the connection cap: the store, its WAL, reader
+connections, log files and the metrics endpoint must always find one."""
+_HEALTH_POLL_S = 0.25
+_ANCHOR_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -91,6 +113,22 @@ class ServerOptions:
         max_join_timeout_s: the most any JoinGroup waits. Default 1800.
         staleness_s: how stale the change feed may be for a hit from memory. Default 0.5.
         max_streams: most concurrent calls on one client connection. Default 65536.
+        init: create the store when there is none. Default False: a missing store is an
+            error (`StoreNotFound`), so that no stream silently starts over at offset 0.
+        audit_key: file holding the audit chain's HMAC key (created with `init` when
+            missing). Default None: the chain is unkeyed, which is logged as a warning.
+        anchor_file: append-only file that receives the signed head of the audit chain
+            whenever it moved (at most once a second). Default None: heads go to the log only.
+        floor_from: audit exports (`rngcoord audit --json`) or `JOB GROUP OFFSET` files whose
+            offsets new groups must start above (recovery after losing a store). Default ().
+        max_connections: most client connections this process holds. Default None: the
+            file-descriptor limit (raised to its hard maximum) less 256.
+        handshake_timeout_s: how long a new connection may take to start HTTP/2. Default 10.
+        idle_timeout_s: a connection with no call for this long is closed (clients reconnect
+            by themselves). Default 600.
+        keepalive_s: how often the server pings a connection to find dead peers. Default 60.
+        peer_rate: calls per second each peer host may sustain; 0 for no limit. Default 5000.
+        peer_burst: calls a peer host may make at once. Default 20000.
         reuse_port: bind with SO_REUSEPORT, so that the workers of one `rngcoord serve`
             share the port. Default False: a second server cannot silently share it.
         worker: this process's index among the workers, for logs. Default 0.
@@ -105,8 +143,92 @@ class ServerOptions:
     max_join_timeout_s: float = 1800.0
     staleness_s: float = 0.5
     max_streams: int = 65536
+    init: bool = False
+    audit_key: Path | None = None
+    anchor_file: Path | None = None
+    floor_from: tuple[Path, ...] = ()
+    max_connections: int | None = None
+    handshake_timeout_s: float = 10.0
+    idle_timeout_s: float = 600.0
+    keepalive_s: float = 60.0
+    peer_rate: float = 5000.0
+    peer_burst: float = 20000.0
     reuse_port: bool = False
     worker: int = 0
+
+
+def open_for_serving(options: ServerOptions) -> tuple[Store, audit.Chain]:
+    """Open the store and its audit chain as `options` say: create the store only with `init`
+    (writing a fresh audit key when its file is missing), record the floors of `floor_from`,
+    and key the chain.
+
+    Raises:
+        StoreNotFound: no store, and no `init`.
+        OSError, ValueError: an unreadable or malformed key or floor file, or the wrong key.
+    """
+    key = None
+    if options.audit_key is not None:
+        key = audit.load_key(str(options.audit_key), create=options.init)
+    floors: dict[tuple[str, str], int] = {}
+    for path in options.floor_from:
+        for where, floor in read_floors(path).items():
+            floors[where] = max(floor, floors.get(where, 0))
+    store = open_store(options.db_url, create=options.init)
+    try:
+        now_us = time.time_ns() // 1000
+        actor = f"rngcoord serve pid {os.getpid()}"
+        chain = audit.open_chain(store, key, now_us=now_us, actor=actor)
+        if floors:
+            apply_floors(store, chain, floors, now_us=now_us, actor=actor)
+    except BaseException:
+        store.close()
+        raise
+    return store, chain
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's open-file limit to its hard maximum; return the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= hard:
+        return hard
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+def grpc_options(options: ServerOptions, fd_limit: int) -> list[tuple[str, int]]:
+    """The gRPC core settings that bound what one client, or many, can take from a process."""
+    max_connections = options.max_connections
+    if max_connections is None:
+        max_connections = max(16, fd_limit - _FDS_KEPT)
+    return [
+        ("grpc.so_reuseport", 1 if options.reuse_port else 0),
+        # A waiting JoinGroup keeps its stream open; a process whose many ranks share one
+        # connection must not be held at HTTP/2's default of 100 streams, or the ranks a
+        # barrier waits for never reach it.
+        ("grpc.max_concurrent_streams", options.max_streams),
+        # gRPC core sheds calls that wait to be picked up by the application once more than
+        # 1,000 (at random) or 3,000 (all) are queued, and cancels any queued for 30 s: a join
+        # storm of 10^5 ranks arrives as exactly such a burst, and its shed joins would come
+        # back CANCELLED. The event loop picks calls up as fast as it can; the barrier itself
+        # bounds what each costs.
+        ("grpc.server.max_pending_requests", _MAX_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", _MAX_PENDING_CALLS),
+        ("grpc.server_max_unrequested_time_in_server", _MAX_QUEUED_S),
+        # Connections past the cap are closed at accept, so idle sockets can never take the
+        # file descriptors that the store and the accepted clients need; one that never
+        # completes its HTTP/2 handshake is dropped after the handshake timeout.
+        ("grpc.max_allowed_incoming_connections", max_connections),
+        ("grpc.server_handshake_timeout_ms", round(options.handshake_timeout_s * 1000)),
+        ("grpc.max_connection_idle_ms", round(options.idle_timeout_s * 1000)),
+        ("grpc.keepalive_time_ms", round(options.keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        # Clients' keepalive pings are welcome, at most one per 10 s.
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.max_receive_message_length", _MAX_REQUEST_BYTES),
+    ]
 
 
 async def run_server(
@@ -116,6 +238,7 @@ async def run_server(
     started: Callable[[str, str | None], None] | None = None,
     grace_s: float = 10.0,
     metrics: Metrics | None = None,
+    reload: asyncio.Event | None = None,
 ) -> None:
     """Serve `options` on the running loop until `stop` is set, then drain and close.
 
@@ -126,55 +249,52 @@ async def run_server(
             serving. Default None.
         grace_s: how long in-flight RPCs may finish after `stop`. Default 10.
         metrics: where outcomes are counted. Default: a fresh `Metrics`.
+        reload: set it to read the token file again (SIGHUP); a file that no longer parses
+            is logged and the tokens in use stay. Default None.
 
     Raises:
-        OSError: an address cannot be bound or a TLS file cannot be read.
-        ValueError: a malformed address or token file.
+        StoreNotFound: no store at `options.db_url`, and `options.init` is False.
+        OSError: an address cannot be bound, or a TLS, key or token file cannot be read.
+        ValueError: a malformed address, token, key or floor file.
     """
     host, _ = split_host_port(options.listen)
     metrics = metrics if metrics is not None else Metrics()
-    interceptors: list[Any] = []
-    if options.tokens is not None:
-        table = load_tokens(options.tokens)
-        interceptors.append(
-            TokenAuthInterceptor(
-                table, on_reject=lambda: metrics.error(grpc.StatusCode.UNAUTHENTICATED)
-            )
-        )
-    elif options.worker == 0:
+    tokens = load_tokens(options.tokens) if options.tokens is not None else None
+    if tokens is None and options.worker == 0:
         event(_log, logging.WARNING, "auth_disabled", hint="pass --tokens or set RNGCOORD_TOKENS")
+    if options.audit_key is None and options.worker == 0:
+        event(
+            _log,
+            logging.WARNING,
+            "audit_chain_unkeyed",
+            hint="pass --audit-key or set RNGCOORD_AUDIT_KEY: without it, whoever can write "
+            "the database can rewrite the chain and rehash it",
+        )
+    gate = Gate(
+        tokens=tokens,
+        rate_limit=PeerRateLimit(options.peer_rate, options.peer_burst)
+        if options.peer_rate > 0
+        else None,
+        on_refuse=metrics.error,
+    )
     credentials = options.tls.credentials() if options.tls is not None else None
+    fd_limit = raise_fd_limit()
 
     loop = asyncio.get_running_loop()
-    store = await loop.run_in_executor(None, open_store, options.db_url)
+    store, chain = await loop.run_in_executor(None, open_for_serving, options)
     coordinator = Coordinator(
         store,
         join_timeout_s=options.join_timeout_s,
         max_join_timeout_s=options.max_join_timeout_s,
         staleness_s=options.staleness_s,
+        chain=chain,
     )
     server: grpc.aio.Server | None = None
     metrics_http: HTTPServer | None = None
+    tasks: list[asyncio.Task[None]] = []
     try:
         await coordinator.start()
-        server = grpc.aio.server(
-            interceptors=interceptors,
-            options=[
-                ("grpc.so_reuseport", 1 if options.reuse_port else 0),
-                # A waiting JoinGroup keeps its stream open; a process whose many ranks share
-                # one connection must not be held at HTTP/2's default of 100 streams, or the
-                # ranks a barrier waits for never reach it.
-                ("grpc.max_concurrent_streams", options.max_streams),
-                # gRPC core sheds calls that wait to be picked up by the application once more
-                # than 1,000 (at random) or 3,000 (all) are queued, and cancels any queued for
-                # 30 s: a join storm of 10^5 ranks arrives as exactly such a burst, and its
-                # shed joins would come back CANCELLED. The event loop picks calls up as fast
-                # as it can; the barrier itself bounds what each costs.
-                ("grpc.server.max_pending_requests", _MAX_PENDING_CALLS),
-                ("grpc.server.max_pending_requests_hard_limit", _MAX_PENDING_CALLS),
-                ("grpc.server_max_unrequested_time_in_server", _MAX_QUEUED_S),
-            ],
-        )
+        server = grpc.aio.server(interceptors=[gate], options=grpc_options(options, fd_limit))
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
             CoordinatorServicer(coordinator, metrics), server
         )
@@ -187,8 +307,11 @@ async def run_server(
         if options.metrics_listen is not None:
             metrics_http = metrics.serve_http(*split_host_port(options.metrics_listen))
         await server.start()
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await _set_health(health_servicer, True)
+        tasks.append(loop.create_task(_keep_health(coordinator, health_servicer)))
+        tasks.append(loop.create_task(_write_anchors(coordinator, options.anchor_file)))
+        if reload is not None:
+            tasks.append(loop.create_task(_reload_tokens(reload, options.tokens, gate)))
         address = join_host_port(host, port)
         metrics_address = None
         if metrics_http is not None:
@@ -200,20 +323,27 @@ async def run_server(
             "serving",
             address=address,
             db=redact_url(options.db_url),
+            store_id=store.store_id,
+            audit_key=chain.key is not None,
             metrics=metrics_address or "off",
-            auth="tokens" if options.tokens is not None else "off",
+            auth="tokens" if tokens is not None else "off",
             tls="off"
             if options.tls is None
             else ("mtls" if options.tls.client_ca is not None else "tls"),
             worker=options.worker,
             pid=os.getpid(),
+            fd_limit=fd_limit,
         )
         if started is not None:
             started(address, metrics_address)
         await stop.wait()
+        for task in tasks:
+            task.cancel()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace_s)
     finally:
+        for task in tasks:
+            task.cancel()
         if server is not None:
             await server.stop(None)
         await coordinator.close()
@@ -221,6 +351,78 @@ async def run_server(
         if metrics_http is not None:
             metrics_http.shutdown()
             metrics_http.server_close()
+
+
+async def _set_health(servicer: Any, serving: bool) -> None:
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in ("", SERVICE_NAME):
+        await servicer.set(name, status)
+
+
+async def _keep_health(coordinator: Coordinator, servicer: Any) -> None:
+    """Report NOT_SERVING while the store is lost or its writes fail, SERVING otherwise."""
+    serving = True
+    while True:
+        await asyncio.sleep(_HEALTH_POLL_S)
+        problem = coordinator.health_problem
+        if serving != (problem is None):
+            serving = problem is None
+            await _set_health(servicer, serving)
+            if problem is not None:
+                event(_log, logging.ERROR, "not_serving", reason=problem)
+            else:
+                event(_log, logging.INFO, "serving_again")
+
+
+async def _write_anchors(coordinator: Coordinator, path: Path | None) -> None:
+    """Each second the head moved, write it signed: a JSON line appended to `path` (opened
+    O_APPEND, so several workers' lines never interleave) and a log event `audit_anchor`."""
+    written = -1
+    while True:
+        await asyncio.sleep(_ANCHOR_EVERY_S)
+        record_id, record_hash = coordinator.head
+        if record_id == written:
+            continue
+        written = record_id
+        anchor: dict[str, Any] = {
+            "store_id": coordinator.chain.store_id,
+            "id": record_id,
+            "hash": record_hash,
+            "mac": coordinator.chain.anchor_mac(record_id, record_hash),
+        }
+        event(_log, logging.INFO, "audit_anchor", **anchor)
+        if path is not None:
+            line = json.dumps({"ts_us": time.time_ns() // 1000, **anchor}, sort_keys=True)
+            await asyncio.get_running_loop().run_in_executor(None, _append_line, path, line)
+
+
+def _append_line(path: Path, line: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+async def _reload_tokens(reload: asyncio.Event, path: Path | None, gate: Gate) -> None:
+    while True:
+        await reload.wait()
+        reload.clear()
+        if path is None:
+            event(_log, logging.INFO, "tokens_not_reloaded", reason="no token file (--tokens)")
+            continue
+        try:
+            table: TokenTable = load_tokens(path)
+        except (OSError, ValueError) as exc:
+            event(_log, logging.ERROR, "tokens_reload_failed", error=str(exc), kept="previous")
+            continue
+        gate.reload(table)
+        event(_log, logging.INFO, "tokens_reloaded", tokens=len(table), file=str(path))
 
 
 class RunningServer:
@@ -303,13 +505,17 @@ def serve(
         grace_s: how long in-flight RPCs may run on after the signal. Default 10.
         log_level: the lowest level logged to stderr. Default INFO.
 
-    Must run on the main thread (it installs signal handlers). A second signal during the
-    drain ends the process at once.
+    Must run on the main thread (it installs signal handlers). A second SIGTERM or SIGINT
+    during the drain ends the process at once; SIGHUP reloads the token file.
     """
     configure(log_level)
     if workers > 1:
         from rngcoord.server.workers import supervise
 
+        # The store is created, keyed and floored once, here; the workers only open it.
+        store, _chain = open_for_serving(options)
+        store.close()
+        options = replace(options, init=False, floor_from=())
         return supervise(options, workers, ready_file=ready_file, grace_s=grace_s)
     return asyncio.run(_serve_here(options, ready_file, grace_s))
 
@@ -326,12 +532,14 @@ async def _serve_here(options: ServerOptions, ready_file: Path | None, grace_s: 
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    reload = asyncio.Event()
+    loop.add_signal_handler(signal.SIGHUP, reload.set)
 
     def started(address: str, _metrics: str | None) -> None:
         if ready_file is not None:
             write_atomically(ready_file, address)
 
-    await run_server(options, stop, started=started, grace_s=grace_s)
+    await run_server(options, stop, started=started, grace_s=grace_s, reload=reload)
     event(_log, logging.INFO, "stopped")
     return 0
 

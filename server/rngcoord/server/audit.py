@@ -1,22 +1,39 @@
-"""The audit log: an append-only SHA-256 hash chain written in the state change's transaction.
+"""The audit log: an append-only hash chain, keyed, written in the state change's transaction.
 
-Record `id` counts from 1 without gaps. Each record's hash is the hex SHA-256 of the canonical
-JSON (sorted keys, no spaces) of {"id", "ts_us", "job", "group", "kind", "actor", "detail",
-"prev_hash"}, where `prev_hash` is the previous record's hash ("0" * 64 for the first). The
-one-row table `audit_head` holds the last id and hash; `append` reads and advances it in the
-caller's transaction, so the chain stays linear under concurrent writers (on PostgreSQL the
-backend locks that row when the transaction begins).
+Record `id` counts from 1 without gaps. Each record's hash covers the canonical JSON (sorted
+keys, no spaces) of {"id", "ts_us", "job", "group", "kind", "actor", "detail", "prev_hash"},
+where `prev_hash` is the previous record's hash ("0" * 64 for the first):
 
-Kinds: job, group, epoch, grant, divergence, restore, leave, join_timeout.
+- from record `keyed_from` on, it is the hex HMAC-SHA256 of that body under the server's audit
+  key (`rngcoord serve --audit-key FILE`), so nobody without the key can rewrite a record and
+  rehash the chain after it, nor append a forged one;
+- before it (a store whose chain was unkeyed), the hex SHA-256 of the body.
+
+The store's `meta` table records `audit_key_id` (the first 16 hex digits of the key's SHA-256,
+never the key) and `keyed_from`. The one-row table `audit_head` holds the last id and hash;
+`Chain.append` reads and advances it in the caller's transaction, so the chain stays linear
+under concurrent writers (on PostgreSQL the backend locks that row when the transaction
+begins).
+
+An *anchor* is a (store id, record id, hash) triple with its MAC under the key: servers write
+them outside the store (an append-only file, the log, every JoinGroup and Reserve reply) and
+`rngcoord verify --anchor` checks that the chain still holds what they saw: a truncated or
+rewritten chain cannot match an anchor taken before.
+
+Kinds: job, group, epoch, grant, divergence, restore, leave, join_timeout, key, floor.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import json
 import math
+import os
+import secrets
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
@@ -27,10 +44,14 @@ __all__ = [
     "GENESIS_HASH",
     "KINDS",
     "AuditRecord",
-    "append",
+    "Chain",
+    "anchor_message",
     "canonical_json",
     "fetch_page",
-    "record_hash",
+    "key_id",
+    "load_key",
+    "open_chain",
+    "records",
 ]
 
 GENESIS_HASH = "0" * 64
@@ -39,87 +60,207 @@ GENESIS_HASH = "0" * 64
 _string = encode_basestring_ascii
 """A str as `json.dumps` writes it with ensure_ascii, quotes included."""
 
-KINDS = ("job", "group", "epoch", "grant", "divergence", "restore", "leave", "join_timeout")
+KINDS = (
+    "job",
+    "group",
+    "epoch",
+    "grant",
+    "divergence",
+    "restore",
+    "leave",
+    "join_timeout",
+    "key",
+    "floor",
+)
 
 
-def record_hash(
-    *,
-    id: int,
-    ts_us: int,
-    job: str,
-    group: str,
-    kind: str,
-    actor: str,
-    detail: dict[str, Any],
-    prev_hash: str,
-) -> str:
-    """The hex SHA-256 that chains a record to its predecessor.
+def key_id(key: bytes) -> str:
+    """A key's public name: the first 16 hex digits of its SHA-256."""
+    return hashlib.sha256(key).hexdigest()[:16]
 
-    It is the SHA-256 of `canonical_json` of {"id", "ts_us", "job", "group", "kind", "actor",
-    "detail", "prev_hash"}.
+
+def load_key(path: str, *, create: bool = False) -> bytes:
+    """The audit key in the file at `path` (64 hex digits); with `create`, a fresh random one
+    is written there (mode 0600) when the file does not exist.
+
+    Raises:
+        OSError: the file cannot be read or written.
+        ValueError: the file does not hold a key; the message never shows its contents.
     """
-    return _hash(id, ts_us, job, group, kind, actor, canonical_json(detail), prev_hash)
+    if create and not os.path.exists(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+    with open(path, encoding="ascii", errors="replace") as f:
+        text = f.read().strip()
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) < 16:
+        raise ValueError(
+            f"{path} does not hold an audit key: it must be one line of hex digits (at least 32); "
+            "`rngcoord serve --init --audit-key FILE` writes a fresh one"
+        )
+    return key
 
 
-def _hash(
-    id: int,
-    ts_us: int,
-    job: str,
-    group: str,
-    kind: str,
-    actor: str,
-    detail_json: str,
-    prev_hash: str,
-) -> str:
-    """`record_hash` around the detail's canonical JSON, which `append` also stores.
-
-    The body is assembled as `canonical_json` writes it (keys in sorted order, strings escaped
-    by the same encoder, integers as `repr`), so the detail is encoded once per record instead
-    of twice: the grant path appends a record per lease on the store's single writer thread.
-    """
-    body = (
-        f'{{"actor":{_string(actor)},"detail":{detail_json},"group":{_string(group)},'
-        f'"id":{id},"job":{_string(job)},"kind":{_string(kind)},'
-        f'"prev_hash":{_string(prev_hash)},"ts_us":{ts_us}}}'
-    )
-    return hashlib.sha256(body.encode("ascii")).hexdigest()
+def anchor_message(store_id: str, record_id: int, record_hash: str) -> bytes:
+    """What an anchor's MAC covers."""
+    return f"rngcoord/v1/anchor:{store_id}:{record_id}:{record_hash}".encode()
 
 
-def append(
-    tx: Tx,
-    *,
-    ts_us: int,
-    job: str,
-    group: str,
-    kind: str,
-    actor: str,
-    detail: dict[str, Any],
-    head: tuple[int, str] | None = None,
-) -> int:
-    """Append a record inside the caller's write transaction and return its id.
+@dataclass(frozen=True)
+class Chain:
+    """How the records of one store are hashed, and anchors signed.
 
     Args:
-        tx: the open write transaction.
-        ts_us, job, group, kind, actor, detail: the record's fields (see `AuditRecord`).
-        head: `audit_head`'s (last_id, last_hash) as the caller read it in this transaction
-            after its last append, which saves a query (the grant path reads it in the same
-            join as the group's state); None reads it here. Default None.
+        store_id: the store's id.
+        key: the audit key, or None for an unkeyed chain. Default None.
+        keyed_from: the first record hashed under the key. Default 0.
     """
-    if head is None:
-        row = tx.fetchone("SELECT last_id, last_hash FROM audit_head WHERE id = 1")
-        if row is None:
-            raise RuntimeError("audit_head has no row: the schema migration did not run")
-        head = (int(row[0]), str(row[1]))
-    record_id, prev_hash = head[0] + 1, head[1]
-    detail_json = canonical_json(detail)
-    digest = _hash(record_id, ts_us, job, group, kind, actor, detail_json, prev_hash)
-    tx.execute(
-        "INSERT INTO audit (id, ts_us, job, grp, kind, actor, detail, prev_hash, hash) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (record_id, ts_us, job, group, kind, actor, detail_json, prev_hash, digest),
-    )
-    tx.execute("UPDATE audit_head SET last_id = ?, last_hash = ? WHERE id = 1", (record_id, digest))
-    return record_id
+
+    store_id: str
+    key: bytes | None = None
+    keyed_from: int = 0
+
+    @property
+    def keyed(self) -> bool:
+        return self.key is not None
+
+    def digest(
+        self,
+        id: int,
+        ts_us: int,
+        job: str,
+        group: str,
+        kind: str,
+        actor: str,
+        detail_json: str,
+        prev_hash: str,
+    ) -> str:
+        """A record's hash, from the detail's canonical JSON (which `append` also stores).
+
+        The body is assembled as `canonical_json` writes it (keys in sorted order, strings
+        escaped by the same encoder, integers as `repr`), so the detail is encoded once per
+        record instead of twice: the grant path appends a record per lease on the store's
+        single writer thread.
+        """
+        body = (
+            f'{{"actor":{_string(actor)},"detail":{detail_json},"group":{_string(group)},'
+            f'"id":{id},"job":{_string(job)},"kind":{_string(kind)},'
+            f'"prev_hash":{_string(prev_hash)},"ts_us":{ts_us}}}'
+        ).encode("ascii")
+        if self.key is not None and id >= self.keyed_from > 0:
+            return hmac.new(self.key, body, hashlib.sha256).hexdigest()
+        return hashlib.sha256(body).hexdigest()
+
+    def record_hash(self, record: AuditRecord) -> str:
+        """What `record`'s hash must be."""
+        return self.digest(
+            record.id,
+            record.ts_us,
+            record.job,
+            record.group,
+            record.kind,
+            record.actor,
+            canonical_json(record.detail),
+            record.prev_hash,
+        )
+
+    def anchor_mac(self, record_id: int, record_hash: str) -> str:
+        """The MAC of an anchor at (record_id, record_hash); "" when the chain is unkeyed."""
+        if self.key is None:
+            return ""
+        message = anchor_message(self.store_id, record_id, record_hash)
+        return hmac.new(self.key, message, hashlib.sha256).hexdigest()
+
+    def append(
+        self,
+        tx: Tx,
+        *,
+        ts_us: int,
+        job: str,
+        group: str,
+        kind: str,
+        actor: str,
+        detail: dict[str, Any],
+        head: tuple[int, str] | None = None,
+    ) -> tuple[int, str]:
+        """Append a record inside the caller's write transaction; return its (id, hash), the
+        chain's new head.
+
+        Args:
+            tx: the open write transaction.
+            ts_us, job, group, kind, actor, detail: the record's fields (see `AuditRecord`).
+            head: `audit_head`'s (last_id, last_hash) as the caller read it in this
+                transaction after its last append, which saves a query (the grant path reads
+                it in the same join as the group's state); None reads it here. Default None.
+        """
+        if head is None:
+            row = tx.fetchone("SELECT last_id, last_hash FROM audit_head WHERE id = 1")
+            if row is None:
+                raise RuntimeError("audit_head has no row: the schema migration did not run")
+            head = (int(row[0]), str(row[1]))
+        record_id, prev_hash = head[0] + 1, head[1]
+        detail_json = canonical_json(detail)
+        digest = self.digest(record_id, ts_us, job, group, kind, actor, detail_json, prev_hash)
+        tx.execute(
+            "INSERT INTO audit (id, ts_us, job, grp, kind, actor, detail, prev_hash, hash) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (record_id, ts_us, job, group, kind, actor, detail_json, prev_hash, digest),
+        )
+        tx.execute(
+            "UPDATE audit_head SET last_id = ?, last_hash = ? WHERE id = 1", (record_id, digest)
+        )
+        return record_id, digest
+
+
+def read_meta(tx: Tx) -> dict[str, str]:
+    """The store's `meta` table."""
+    return {str(name): str(value) for name, value in tx.fetchall("SELECT name, value FROM meta")}
+
+
+def open_chain(store: Store, key: bytes | None, *, now_us: int, actor: str) -> Chain:
+    """The chain of `store`, keyed by `key`: a store whose chain is unkeyed starts keying it
+    from its next record (appending a `key` record); a keyed one needs its own key.
+
+    Raises:
+        ValueError: the store's chain is keyed and `key` is missing or another key.
+    """
+    meta = store.read(read_meta)
+    stored = meta.get("audit_key_id", "")
+    if key is None:
+        if stored:
+            raise ValueError(
+                f"the audit chain of the store at {store.location} is keyed (key id {stored}): "
+                "pass --audit-key with that key (RNGCOORD_AUDIT_KEY)"
+            )
+        return Chain(store.store_id)
+    wanted = key_id(key)
+    if stored and stored != wanted:
+        raise ValueError(
+            f"the audit chain of the store at {store.location} is keyed with key id {stored}, "
+            f"but --audit-key holds key id {wanted}: pass the store's key"
+        )
+    if stored:
+        return Chain(store.store_id, key, int(meta["keyed_from"]))
+
+    def adopt(tx: Tx) -> int:
+        current = read_meta(tx)
+        if current.get("audit_key_id"):  # another worker or replica adopted it meanwhile
+            return int(current["keyed_from"])
+        row = tx.fetchone("SELECT last_id FROM audit_head WHERE id = 1")
+        last_id = 0 if row is None else int(row[0])
+        first = int(last_id) + 1
+        tx.execute("UPDATE meta SET value = ? WHERE name = 'audit_key_id'", (wanted,))
+        tx.execute("UPDATE meta SET value = ? WHERE name = 'keyed_from'", (str(first),))
+        Chain(store.store_id, key, first).append(
+            tx, ts_us=now_us, job="", group="", kind="key", actor=actor, detail={"key_id": wanted}
+        )
+        return first
+
+    return Chain(store.store_id, key, store.write(adopt))
 
 
 def records(

@@ -1,175 +1,160 @@
-"""Per-job bearer tokens: the token file and the gRPC server interceptor that checks them.
+"""Who may call what: the token file, the identities it names, and their permissions.
 
-Token file format (RNGCOORD_TOKENS / `rngcoord serve --tokens`): one `JOB TOKEN` pair per
-line, separated by whitespace. Blank lines and lines starting with `#` are ignored. A job may
-have several tokens (for rotation). The job `*` is the admin: its tokens are valid for every
-job and for a ListAudit without a job filter.
+Token file format (RNGCOORD_TOKENS / `rngcoord serve --tokens`), one token per line, fields
+separated by whitespace; blank lines and lines starting with `#` are ignored:
 
-Every Coordinator RPC must carry the metadata `authorization: Bearer <token>`, where the token
-belongs to the request's `job` field (or is an admin token). Anything else ends the call with
-UNAUTHENTICATED before the servicer sees it. The health and reflection services are open.
+    # NAME     ROLE     JOBS              TOKEN
+    trainer    member   llama-*,bert      3f9c...
+    alice      auditor  *                 81ab...
+    ops        admin    *                 c70e...
+
+- NAME names the identity in audit records and logs (never the token).
+- ROLE is one of:
+  - `member`: JoinGroup, Reserve, LeaveGroup, Restore (not forced), GetGroup and ListAudit;
+  - `auditor`: GetGroup and ListAudit only;
+  - `admin`: everything, including a forced Restore.
+- JOBS is a comma-separated list of job patterns (`fnmatch`: `*`, `?`, `[...]`); a request is
+  allowed only for a job one of them matches. A ListAudit without a job filter reads every
+  job, so it needs the pattern `*`.
+
+The older two-field form `JOB TOKEN` still loads: `JOB` becomes a member of that job (named
+after it), and `* TOKEN` an admin of every job named "admin".
+
+Errors name the file and line, never a token. Tokens are looked up by their SHA-256, so a
+lookup takes the same time whatever prefix a guess shares with a real token.
 """
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import fnmatch
+import hashlib
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-import grpc
-
-from rngcoord.v1 import coordinator_pb2
 from rngcoord.v1.rules import RuleViolation, check_name
-from rngcoord.v1.status import rich_status
 
-ADMIN = "*"
-SERVICE_PREFIX = f"/{coordinator_pb2.DESCRIPTOR.services_by_name['Coordinator'].full_name}/"
+__all__ = ["ROLES", "Identity", "TokenTable", "load_tokens"]
 
-_BEARER = "bearer "
+ROLES = ("member", "auditor", "admin")
+
+WRITES = frozenset({"JoinGroup", "Reserve", "LeaveGroup", "Restore"})
+"""The methods that change state: members and admins only."""
+
+_PATTERN = re.compile(r"^[A-Za-z0-9_.:\-*?\[\]!]{1,128}$")
 
 
-def load_tokens(path: str | Path) -> dict[str, tuple[bytes, ...]]:
-    """Parse a token file into {job: tokens}; the admin's tokens are under "*".
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who a token belongs to.
 
-    Raises ValueError naming the file and line of the first malformed entry, or when the file
-    lists no token at all (every request would be refused).
+    Args:
+        name: the identity's name, for audit records and logs.
+        role: "member", "auditor" or "admin".
+        jobs: the job patterns it may act on.
     """
-    tokens: dict[str, list[bytes]] = {}
+
+    name: str
+    role: str
+    jobs: tuple[str, ...]
+
+    def allows_job(self, job: str) -> bool:
+        """Whether a request about `job` ("" meaning every job) is within this identity's jobs."""
+        if not job:
+            return "*" in self.jobs
+        return any(fnmatch.fnmatchcase(job, pattern) for pattern in self.jobs)
+
+    def refusal(self, method: str, job: str, *, force: bool = False) -> str | None:
+        """Why this identity may not call `method` on `job`, or None when it may."""
+        if self.role == "auditor" and method in WRITES:
+            return f"{method} needs the member or admin role; {self.name!r} is an auditor"
+        if force and self.role != "admin":
+            return f"a forced Restore needs the admin role; {self.name!r} is a {self.role}"
+        if not self.allows_job(job):
+            what = f"job {job[:128]!r}" if job else "every job (a ListAudit without --job)"
+            return f"{self.name!r} may act on jobs {','.join(self.jobs)}, not on {what}"
+        return None
+
+
+class TokenTable:
+    """The identities of a token file, looked up by token.
+
+    Args:
+        entries: (token, identity) pairs; a token may appear once.
+    """
+
+    def __init__(self, entries: Iterable[tuple[bytes, Identity]]) -> None:
+        self._by_digest = {hashlib.sha256(token).digest(): who for token, who in entries}
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    def identify(self, token: bytes) -> Identity | None:
+        """The identity holding `token`, or None."""
+        return self._by_digest.get(hashlib.sha256(token).digest())
+
+
+def load_tokens(path: str | Path) -> TokenTable:
+    """Parse a token file (format in the module docstring).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: naming the file and line of the first malformed entry (never its token),
+            or when the file lists no token (every request would be refused).
+    """
+    entries: list[tuple[bytes, Identity]] = []
+    seen: dict[bytes, int] = {}
     text = Path(path).read_text(encoding="utf-8")
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
+        where = f"{path}:{lineno}"
         parts = line.split()
-        if len(parts) != 2:
-            raise ValueError(
-                f"{path}:{lineno}: expected 'JOB TOKEN', got {len(parts)} fields: {line[:80]!r}"
-            )
-        job, token = parts
-        if job != ADMIN:
+        if len(parts) == 2:
+            job, token = parts
+            if job == "*":
+                who = Identity("admin", "admin", ("*",))
+            else:
+                _check_job(job, where)
+                who = Identity(job, "member", (job,))
+        elif len(parts) == 4:
+            name, role, jobs, token = parts
+            if role not in ROLES:
+                raise ValueError(f"{where}: role {role[:32]!r} is not one of {', '.join(ROLES)}")
             try:
-                check_name("job", job)
+                check_name("identity name", name)
             except RuleViolation as exc:
-                raise ValueError(f"{path}:{lineno}: {exc}, nor '*'") from None
-        tokens.setdefault(job, []).append(token.encode("utf-8"))
-    if not tokens:
-        raise ValueError(f"token file {path} lists no tokens; every request would be refused")
-    return {job: tuple(values) for job, values in tokens.items()}
-
-
-if TYPE_CHECKING:
-    _ServerInterceptor = grpc.aio.ServerInterceptor[Any, Any]
-else:  # grpc's runtime class is not generic; only its type stubs are.
-    _ServerInterceptor = grpc.aio.ServerInterceptor
-
-
-class TokenAuthInterceptor(_ServerInterceptor):
-    """Refuses Coordinator RPCs whose bearer token does not belong to the request's job.
-
-    Args:
-        tokens: {job: accepted tokens}, as `load_tokens` returns; "*" holds admin tokens.
-        on_reject: called once per refused call (the server counts them). Default: nothing.
-
-    It caches the wrapped handler per method, so it builds no handler object per call. The
-    check runs in the handler, where the request (and so its job) is known.
-    """
-
-    def __init__(
-        self,
-        tokens: Mapping[str, Sequence[bytes]],
-        *,
-        on_reject: Callable[[], None] | None = None,
-    ) -> None:
-        self._admin = tuple(tokens.get(ADMIN, ()))
-        self._tokens = {job: tuple(v) for job, v in tokens.items() if job != ADMIN}
-        self._on_reject = on_reject
-        self._wrapped: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
-
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
-        ],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        method: str = handler_call_details.method
-        wrapped = self._wrapped.get(method)
-        if wrapped is not None:
-            return wrapped
-        # None for an unknown method, whatever the stubs say: gRPC answers UNIMPLEMENTED.
-        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(handler_call_details)
-        if handler is None or not method.startswith(SERVICE_PREFIX):
-            return handler  # type: ignore[return-value]
-        wrapped = self._wrap(handler)
-        self._wrapped[method] = wrapped
-        return wrapped
-
-    def _wrap(self, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
-        if handler.unary_unary is not None:
-            unary = handler.unary_unary
-
-            async def checked_unary(
-                request: Any, context: grpc.aio.ServicerContext[Any, Any]
-            ) -> Any:
-                await self._check(request, context)
-                return await unary(request, context)  # type: ignore[arg-type]
-
-            return grpc.unary_unary_rpc_method_handler(
-                checked_unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            stream = handler.unary_stream
-
-            async def checked_stream(
-                request: Any, context: grpc.aio.ServicerContext[Any, Any]
-            ) -> Any:
-                await self._check(request, context)
-                return await stream(request, context)  # type: ignore[arg-type, misc]
-
-            return grpc.unary_stream_rpc_method_handler(
-                checked_stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        raise TypeError(f"rngcoord has no client-streaming RPCs; cannot guard {handler!r}")
-
-    async def _check(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        job: str = request.job
-        token = _bearer_token(tuple(context.invocation_metadata() or ()))
-        if token is not None and (
-            _matches(token, self._tokens.get(job, ())) or _matches(token, self._admin)
-        ):
-            return
-        if self._on_reject is not None:
-            self._on_reject()
-        if job:
-            message = f"missing or wrong bearer token for job {job[:128]!r}"
+                raise ValueError(f"{where}: {exc}") from None
+            patterns = tuple(p for p in jobs.split(",") if p)
+            for pattern in patterns:
+                if not _PATTERN.fullmatch(pattern):
+                    raise ValueError(
+                        f"{where}: job pattern {pattern[:64]!r} must be 1-128 of "
+                        "[A-Za-z0-9_.:-] and the wildcards * ? [ ] !"
+                    )
+            if not patterns:
+                raise ValueError(f"{where}: no job patterns")
+            who = Identity(name, role, patterns)
         else:
-            message = "missing or wrong bearer token: a request without a job needs the admin token"
-        status = rich_status(
-            grpc.StatusCode.UNAUTHENTICATED,
-            message,
-            coordinator_pb2.ErrorReason.Name(coordinator_pb2.BAD_TOKEN),
-            {"job": job[:128]},
-        )
-        await context.abort(status.code, status.details, status.trailing_metadata)
+            # The line holds a token: say how many fields, never what they are.
+            raise ValueError(
+                f"{where}: expected 'NAME ROLE JOBS TOKEN' (or the older 'JOB TOKEN'), "
+                f"got {len(parts)} fields"
+            )
+        secret = token.encode("utf-8")
+        if secret in seen:
+            raise ValueError(f"{where}: the same token as line {seen[secret]}")
+        seen[secret] = lineno
+        entries.append((secret, who))
+    if not entries:
+        raise ValueError(f"token file {path} lists no tokens; every request would be refused")
+    return TokenTable(entries)
 
 
-def _bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> bytes | None:
-    for key, value in metadata or ():
-        if key == "authorization" and isinstance(value, str):
-            if value[: len(_BEARER)].lower() == _BEARER:
-                return value[len(_BEARER) :].strip().encode("utf-8")
-            return None
-    return None
-
-
-def _matches(token: bytes, accepted: Sequence[bytes]) -> bool:
-    # Constant-time comparison for each candidate, so timing does not reveal a token's prefix.
-    found = False
-    for candidate in accepted:
-        found |= hmac.compare_digest(token, candidate)
-    return found
+def _check_job(job: str, where: str) -> None:
+    try:
+        check_name("job", job)
+    except RuleViolation as exc:
+        raise ValueError(f"{where}: {exc}, nor '*'") from None

@@ -33,7 +33,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from rngcoord.server import audit, queries
+from rngcoord.server import queries
+from rngcoord.server.audit import Chain
 from rngcoord.server.clock import Clock
 from rngcoord.server.errors import CoordinatorError, FailedPrecondition, JoinTimeout
 from rngcoord.server.logs import event, get_logger
@@ -123,6 +124,7 @@ class Barriers:
         clock: the time source.
         on_formed: called with (job, group, epoch) when this process forms an epoch, before
             its waiters wake (the coordinator drops its cached state of the group).
+        chain: how audit records are hashed.
     """
 
     def __init__(
@@ -131,8 +133,10 @@ class Barriers:
         read: Callable[[Callable[[Tx], T]], Awaitable[T]],
         clock: Clock,
         on_formed: Callable[[str, str, int], None],
+        chain: Chain,
     ) -> None:
         self._store = store
+        self._chain = chain
         self._read: Callable[[Callable[[Tx], Any]], Awaitable[Any]] = read
         self._clock = clock
         self._on_formed = on_formed
@@ -253,7 +257,7 @@ class Barriers:
             asked = next((r.job_seed for r in requests if r.job_seed is not None), None)
             stored = drawn if asked is None else asked
             queries.insert_job(tx, job, stored, now_us)
-            audit.append(
+            self._chain.append(
                 tx,
                 ts_us=now_us,
                 job=job,
@@ -264,15 +268,19 @@ class Barriers:
             )
         g = queries.group_row(tx, job, group)
         if g is None:
-            g = queries.insert_group(tx, job, group, group_seed(stored, group))
-            audit.append(
+            floor = queries.floor_of(tx, job, group)
+            g = queries.insert_group(tx, job, group, group_seed(stored, group), floor)
+            detail: dict[str, object] = {"seed": g.seed}
+            if floor:
+                detail["floor"] = floor
+            self._chain.append(
                 tx,
                 ts_us=now_us,
                 job=job,
                 group=group,
                 kind="group",
                 actor=first.actor,
-                detail={"seed": g.seed},
+                detail=detail,
             )
         count = max(0, g.barrier_count - queries.sweep_expired(tx, job, group, now_us))
         size = g.barrier_size if count else 0
@@ -362,7 +370,7 @@ class Barriers:
                 now_us=now_us,
             )
             queries.promote_pending(tx, job, group, epoch)
-            audit.append(
+            self._chain.append(
                 tx,
                 ts_us=now_us,
                 job=job,
@@ -384,7 +392,7 @@ class Barriers:
                 if member_of.get(req.rank) == req.member_id:
                     outcomes[j] = result
             formed.append((result, members))
-            current = queries.EpochRow(epoch, size, high_water, digest, None)
+            current = queries.EpochRow(epoch, size, high_water, digest, None, 0)
             in_current = {rank: member_of[rank] for rank in ranks if rank in member_of}
             count, size, pending, waiting_since = 0, 0, {}, []
         if upserts:
@@ -533,7 +541,7 @@ class Barriers:
             missing_count -= 1
         listed = [m for m in first if m != r.rank][:_LISTED_RANKS]
         if audit_timeout:
-            audit.append(
+            self._chain.append(
                 tx,
                 ts_us=now_us,
                 job=r.job,

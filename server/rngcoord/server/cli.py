@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from rngcoord.server.audit import KINDS, AuditRecord
+from rngcoord.server.store import StoreNotFound
 
 DEFAULT_LISTEN = "0.0.0.0:29520"
 DEFAULT_DB = "sqlite:///rngcoord.db"
@@ -45,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # `rngcoord audit | head` closed our stdout; that is not an error of ours.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, StoreNotFound) as exc:
         print(f"rngcoord {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
@@ -84,12 +85,46 @@ def build_parser() -> argparse.ArgumentParser:
         f"default {DEFAULT_METRICS})",
     )
     serve.add_argument(
+        "--init",
+        action="store_true",
+        default=_env_flag(env, "RNGCOORD_INIT"),
+        help="create the store (and the --audit-key file) when there is none; without it, a "
+        "missing store is an error, so that no stream silently starts over at offset 0 "
+        "(env RNGCOORD_INIT=1)",
+    )
+    serve.add_argument(
+        "--audit-key",
+        type=Path,
+        default=_env_path(env, "RNGCOORD_AUDIT_KEY"),
+        metavar="FILE",
+        help="HMAC key of the audit chain (64 hex digits; --init writes a fresh one); keep it "
+        "away from the database (env RNGCOORD_AUDIT_KEY; default: unkeyed, logged as a warning)",
+    )
+    serve.add_argument(
+        "--anchor-file",
+        type=Path,
+        default=_env_path(env, "RNGCOORD_ANCHOR_FILE"),
+        metavar="FILE",
+        help="append the signed head of the audit chain here each second it moved, for "
+        "`verify --anchor` (env RNGCOORD_ANCHOR_FILE; default: the log only)",
+    )
+    serve.add_argument(
+        "--floor-from",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="after losing a store: an audit export (`rngcoord audit --json`) or lines "
+        "`JOB GROUP OFFSET` (`*` for all); new groups start above those offsets; repeatable",
+    )
+    serve.add_argument(
         "--tokens",
         type=Path,
         default=_env_path(env, "RNGCOORD_TOKENS"),
         metavar="FILE",
-        help="token file, lines `JOB TOKEN`; job `*` is the admin (env RNGCOORD_TOKENS; "
-        "default: no authentication, logged as a warning)",
+        help="token file, lines `NAME ROLE JOBS TOKEN` (roles member, auditor, admin; JOBS: "
+        "comma-separated patterns) or the older `JOB TOKEN`; reloaded on SIGHUP "
+        "(env RNGCOORD_TOKENS; default: no authentication, logged as a warning)",
     )
     serve.add_argument(
         "--tls-cert",
@@ -151,6 +186,43 @@ def build_parser() -> argparse.ArgumentParser:
         "store (default 0.5)",
     )
     serve.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="most client connections per server process (default: the open-file limit, "
+        "raised to its hard maximum, less 256)",
+    )
+    serve.add_argument(
+        "--handshake-timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="close a connection that has not started HTTP/2 within this long (default 10)",
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=_positive_float,
+        default=600.0,
+        metavar="SECONDS",
+        help="close a connection without calls for this long; clients reconnect (default 600)",
+    )
+    serve.add_argument(
+        "--peer-rate",
+        type=_non_negative_float,
+        default=_env_float(env, "RNGCOORD_PEER_RATE", 5000.0),
+        metavar="CALLS_PER_S",
+        help="calls per second each peer host may sustain; 0 for no limit "
+        "(env RNGCOORD_PEER_RATE; default 5000)",
+    )
+    serve.add_argument(
+        "--peer-burst",
+        type=_positive_float,
+        default=20000.0,
+        metavar="CALLS",
+        help="calls a peer host may make at once (default 20000)",
+    )
+    serve.add_argument(
         "--grace",
         type=_non_negative_float,
         default=10.0,
@@ -205,6 +277,23 @@ def build_parser() -> argparse.ArgumentParser:
         "holds, else print each problem and exit 1.",
     )
     _add_db(verify, env)
+    verify.add_argument(
+        "--audit-key",
+        type=Path,
+        default=_env_path(env, "RNGCOORD_AUDIT_KEY"),
+        metavar="FILE",
+        help="the server's audit key: check the chain's MACs and the anchors' signatures "
+        "(env RNGCOORD_AUDIT_KEY; default: hashes only, and a note says so)",
+    )
+    verify.add_argument(
+        "--anchor",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="anchors to check the chain against: a server's --anchor-file or log, or heads "
+        "kept by clients (STORE_ID:ID:HASH:MAC lines); repeatable",
+    )
     verify.set_defaults(run=_verify)
 
     demo = sub.add_parser(
@@ -219,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # gRPC core logs to stderr in its own format, read once when grpc is first imported.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     # Imported here so that `audit` and `verify` do not pay for the gRPC server's imports.
     from rngcoord.server.app import ServerOptions, TLSConfig, serve
 
@@ -244,6 +335,15 @@ def _serve(args: argparse.Namespace) -> int:
         join_timeout_s=args.join_timeout,
         max_join_timeout_s=args.max_join_timeout,
         staleness_s=args.cache_staleness,
+        init=args.init,
+        audit_key=args.audit_key,
+        anchor_file=args.anchor_file,
+        floor_from=tuple(args.floor_from),
+        max_connections=args.max_connections,
+        handshake_timeout_s=args.handshake_timeout,
+        idle_timeout_s=args.idle_timeout,
+        peer_rate=args.peer_rate,
+        peer_burst=args.peer_burst,
     )
     return serve(
         options,
@@ -258,7 +358,6 @@ def _audit(args: argparse.Namespace) -> int:
     from rngcoord.server.audit import records as audit_records
     from rngcoord.server.stores import open_store
 
-    _require_existing(args.db)
     store = open_store(args.db)
     try:
         records = audit_records(
@@ -281,17 +380,27 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from rngcoord.server.audit import load_key
     from rngcoord.server.stores import open_store
-    from rngcoord.server.verify import verify
+    from rngcoord.server.verify import read_anchors, verify
 
-    _require_existing(args.db)
+    key = load_key(str(args.audit_key)) if args.audit_key is not None else None
+    anchors = []
+    for path in args.anchor:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            found = read_anchors(f, str(path))
+        if not found:
+            raise ValueError(f"{path} holds no anchors (JSON lines or STORE_ID:ID:HASH:MAC)")
+        anchors += found
     store = open_store(args.db)
     try:
-        report = verify(store, progress=_Progress(sys.stderr))
+        report = verify(store, key=key, anchors=anchors, progress=_Progress(sys.stderr))
     finally:
         store.close()
     for problem in report.problems:
         print(f"problem: {problem}")
+    for note in report.notes:
+        print(f"note: {note}")
     print(report.summary())
     return 0 if report.ok else 1
 
@@ -310,14 +419,6 @@ class _Progress:
         if total >= self._min_records and (now - self._last >= self._every_s or checked == total):
             self._last = now
             print(f"verify: {checked}/{total} records checked", file=self._out, flush=True)
-
-
-def _require_existing(db_url: str) -> None:
-    """Refuse a SQLite URL whose file is missing: opening it would create an empty store."""
-    if db_url.startswith("sqlite:///"):
-        path = Path(db_url.removeprefix("sqlite:///"))
-        if not path.exists():
-            raise FileNotFoundError(f"no database at {path} (from --db {db_url})")
 
 
 def _demo(args: Sequence[str]) -> int:
@@ -451,6 +552,15 @@ def _positive_int(text: str) -> int:
 def _env_int(env: os._Environ[str], name: str, default: int) -> int:
     value = env.get(name)
     return int(value) if value else default
+
+
+def _env_float(env: os._Environ[str], name: str, default: float) -> float:
+    value = env.get(name)
+    return float(value) if value else default
+
+
+def _env_flag(env: os._Environ[str], name: str) -> bool:
+    return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _non_negative_int(text: str) -> int:

@@ -23,15 +23,18 @@ member of a replaced epoch never gets a new grant, whatever any cache holds (doc
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import json
+import logging
 import math
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from rngcoord.server import audit, queries
+from rngcoord.server.audit import Chain
 from rngcoord.server.barrier import Barriers, JoinRequest, rank_list
 from rngcoord.server.cache import Cache, GroupState
 from rngcoord.server.clock import Clock, SystemClock
@@ -42,10 +45,13 @@ from rngcoord.server.errors import (
     NotFound,
     NotMember,
     ResourceExhausted,
+    RestoreTimeout,
     StaleEpoch,
+    Unavailable,
 )
 from rngcoord.server.feed import Feed, FeedRecord
-from rngcoord.server.store import Store, Tx, from_db
+from rngcoord.server.logs import event, get_logger
+from rngcoord.server.store import Store, StoreLost, Tx, from_db
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.rules import (
     MAX_OFFSET,
@@ -65,8 +71,12 @@ from rngcoord.v1.types import AuditRecord, GroupInfo, JoinResult, Lease, Restore
 __all__ = ["Coordinator"]
 
 T = TypeVar("T")
+_log = get_logger("coordinator")
 
 _AUDIT_PAGE = 500
+RESTORE_ROOM = 1 << 32
+"""The fewest offsets a Restore may leave a group: a cursor closer to the end would leave it
+unable to continue for long, which a Restore must not do silently."""
 MEMBERS_PAGE = 1024
 """Members GetGroup returns when the request sets no limit."""
 MAX_MEMBERS_PAGE = 65536
@@ -157,6 +167,10 @@ class Coordinator:
         feed_poll_s: how often the change feed looks for other processes' changes. Default
             None: 0.02 s on SQLite (a lock-free counter), 0.1 s on PostgreSQL (which also
             notifies).
+        chain: how audit records are hashed (keyed or not; see rngcoord.server.audit.open_chain).
+            Default: the store's unkeyed chain.
+        watch_s: how often to check that the store is still the one opened (its file, its
+            schema, its id). Default 1.
 
     Call `start()` on the event loop before serving and `close()` after.
     """
@@ -170,8 +184,13 @@ class Coordinator:
         clock: Clock | None = None,
         staleness_s: float = 0.5,
         feed_poll_s: float | None = None,
+        chain: Chain | None = None,
+        watch_s: float = 1.0,
     ) -> None:
         self._store = store
+        self._chain = chain if chain is not None else Chain(store.store_id)
+        self._head = (0, audit.GENESIS_HASH)
+        self._anchor = ""
         self._join_timeout_s = join_timeout_s
         self._max_join_timeout_s = max_join_timeout_s
         self._clock: Clock = clock if clock is not None else SystemClock()
@@ -180,17 +199,68 @@ class Coordinator:
         # (WAL), so they run on the event loop; PostgreSQL reads are round trips, in threads.
         self._inline_reads = store.dialect == "sqlite"
         self._readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rngcoord-read")
-        self._barriers = Barriers(store, self._read, self._clock, self._formed_here)
+        self._barriers = Barriers(store, self._read, self._clock, self._formed_here, self._chain)
         poll = feed_poll_s if feed_poll_s is not None else (0.02 if self._inline_reads else 0.1)
         self._feed = Feed(
-            store, self._read, self._on_change, self._clock, poll_s=poll, staleness_s=staleness_s
+            store,
+            self._read,
+            self._on_change,
+            self._clock,
+            poll_s=poll,
+            staleness_s=staleness_s,
+            on_head=self._saw_head,
         )
         self._feed_task: asyncio.Task[None] | None = None
+        # Restores being voted on: (job, group, epoch, seq) -> resolved with the cursor once
+        # it takes effect, here or (read from the change feed) in another process.
+        self._restore_waiters: dict[tuple[str, str, int, int], asyncio.Future[int]] = {}
+        self._restore_voting: collections.Counter[tuple[str, str, int, int]] = collections.Counter()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._lost: str | None = None
+        self._write_failure: str | None = None
+        self._watch_s = watch_s
+        self._watch_task: asyncio.Task[None] | None = None
 
     @property
     def store(self) -> Store:
         return self._store
+
+    @property
+    def lost(self) -> str | None:
+        """Why the store is gone or replaced (found by the watch, or by a write); None while
+        it is the store this coordinator opened. Once set, it stays: the server refuses every
+        call until it is restarted on the right store."""
+        return self._lost
+
+    @property
+    def health_problem(self) -> str | None:
+        """Why this coordinator should not get traffic now (its store is lost, or its last
+        write failed), or None when it is healthy."""
+        return self._lost or self._write_failure
+
+    @property
+    def chain(self) -> Chain:
+        return self._chain
+
+    def _saw_head(self, record_id: int, record_hash: str) -> None:
+        if record_id > self._head[0]:
+            self._head = (record_id, record_hash)
+            self._anchor = ""
+
+    @property
+    def head(self) -> tuple[int, str]:
+        """(record id, hash) of the chain's latest head this process has seen: read by the
+        change feed, so at most one feed poll behind the store."""
+        return self._head
+
+    def head_anchor(self) -> str:
+        """The head as the `rngcoord-audit-head` trailer: "STORE_ID:RECORD_ID:HASH:MAC" (MAC
+        empty when the chain is unkeyed); computed once per head."""
+        if not self._anchor:
+            record_id, record_hash = self._head
+            mac = self._chain.anchor_mac(record_id, record_hash)
+            self._anchor = f"{self._chain.store_id}:{record_id}:{record_hash}:{mac}"
+        return self._anchor
 
     @property
     def waiting_joins(self) -> int:
@@ -198,18 +268,40 @@ class Coordinator:
         return self._barriers.waiting
 
     async def start(self) -> None:
-        """Start following the store's change feed."""
+        """Start following the store's change feed, and watching that the store is still
+        the one opened."""
         await self._feed.start()
-        self._feed_task = asyncio.get_running_loop().create_task(self._feed.run())
+        loop = asyncio.get_running_loop()
+        self._feed_task = loop.create_task(self._feed.run())
+        self._watch_task = loop.create_task(self._watch_store())
 
     async def close(self) -> None:
         """Stop following the feed and release the reader threads (the store stays open)."""
         await self._feed.stop()
-        if self._feed_task is not None:
-            self._feed_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._feed_task
+        for task in (self._feed_task, self._watch_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self._readers.shutdown(wait=False, cancel_futures=True)
+
+    async def _watch_store(self) -> None:
+        # A deleted SQLite file or a dropped schema fails the next write by itself; this also
+        # catches it on a server that is only answering hits, and turns health NOT_SERVING.
+        loop = asyncio.get_running_loop()
+        while self._lost is None:
+            await asyncio.sleep(self._watch_s)
+            try:
+                await loop.run_in_executor(self._readers, self._store.check_identity)
+            except StoreLost as exc:
+                self._store_lost(str(exc))
+            except Exception as exc:  # the database is down: writes report it themselves
+                event(_log, logging.WARNING, "store_check_failed", error=str(exc))
+
+    def _store_lost(self, why: str) -> None:
+        if self._lost is None:
+            self._lost = why
+            event(_log, logging.ERROR, "store_lost", reason=why, store_id=self._store.store_id)
 
     async def _read(self, fn: Callable[[Tx], T]) -> T:
         if self._inline_reads:
@@ -217,7 +309,15 @@ class Coordinator:
         return await asyncio.get_running_loop().run_in_executor(self._readers, self._store.read, fn)
 
     async def _write(self, fn: Callable[[Tx], T]) -> T:
-        return await asyncio.wrap_future(self._store.submit(fn))
+        try:
+            result = await asyncio.wrap_future(self._store.submit(fn))
+        except Unavailable as exc:
+            self._write_failure = exc.message
+            if isinstance(exc.__cause__, StoreLost):
+                self._store_lost(str(exc.__cause__))
+            raise
+        self._write_failure = None
+        return result
 
     # ----------------------------------------------------------------- cache upkeep
 
@@ -231,6 +331,12 @@ class Coordinator:
             self._cache.members.drop(
                 (record.job, record.group, int(record.detail["epoch"]), int(record.detail["rank"]))
             )
+            return
+        if record.kind == "restore":
+            restored = (record.job, record.group, int(record.detail["epoch"]))
+            waiter = self._restore_waiters.get((*restored, int(record.detail["seq"])))
+            if waiter is not None and not waiter.done():
+                waiter.set_result(int(record.detail["cursor"]))
             return
         self._cache.groups.drop(key)
         if record.kind == "epoch":
@@ -513,7 +619,7 @@ class Coordinator:
             ranks = sorted({rank, state.granted_rank or 0})
             record = json.dumps({"message": message, "seq": seq, "ranks": ranks})
             queries.set_diverged(tx, job, group, epoch, record)
-            audit.append(
+            self._chain.append(
                 tx,
                 ts_us=now_us,
                 job=job,
@@ -571,7 +677,7 @@ class Coordinator:
             now_us=now_us,
             high_water=state.high_water,
         )
-        audit.append(
+        self._chain.append(
             tx,
             ts_us=now_us,
             job=job,
@@ -623,7 +729,7 @@ class Coordinator:
             if found[1] is not None:
                 return False
             queries.set_left(tx, job, group, epoch, rank, now_us)
-            audit.append(
+            self._chain.append(
                 tx,
                 ts_us=now_us,
                 job=job,
@@ -707,16 +813,29 @@ class Coordinator:
         rank: int,
         member_id: str,
         actor: str = "",
+        force: bool = False,
+        timeout_s: float | None = None,
     ) -> RestoreResult:
         """Make lease `seq` of the current epoch start at `cursor` (a bitwise-exact resume).
 
-        It may reuse offsets granted before; the audit log records it. Repeating the same
-        Restore returns existing=True without a write.
+        It may reuse offsets granted before, so it takes effect only by consensus: each call
+        is the vote of (rank, member_id), and returns once every current member of the epoch
+        (those that have not left) has asked for the same (seq, cursor). With `force` (admin
+        tokens only; the server checks) it takes effect at once. The audit record names the
+        voters. Repeating a Restore that took effect returns existing=True.
+
+        Args:
+            job, group, epoch, seq, cursor, rank, member_id, actor: as the request.
+            force: take effect without the other members' votes. Default False.
+            timeout_s: how long to wait for the other votes; None for the join timeout.
+                Capped at `max_join_timeout_s`.
 
         Raises:
             InvalidArgument, NotFound, StaleEpoch, NotMember: as for `reserve`.
-            FailedPrecondition: RESTORE_CONFLICT: the seq is already granted, or restored to
-                another cursor.
+            FailedPrecondition: RESTORE_CONFLICT: the seq is already granted, restored to
+                another cursor, or other members voted for another cursor.
+            ResourceExhausted: the cursor leaves the group less than 2^32 offsets.
+            RestoreTimeout: not every member voted in time; names those that did not.
         """
         with _fields():
             check_name("job", job)
@@ -726,62 +845,173 @@ class Coordinator:
             check_cursor(cursor)
             check_rank(rank)
             check_member_id(member_id)
-
-        def recorded(tx: Tx) -> int | None:
-            """The group's high-water mark when the restore is new; None when it is recorded."""
-            g = queries.group_row(tx, job, group)
-            if g is None:
-                raise _not_found(job, group, queries.job_seed(tx, job) is not None)
-            _check_epoch(g.epoch, job, group, epoch)
-            found = queries.member(tx, job, group, epoch, rank)
-            if found is None or found[1] is not None or found[0] != member_id:
-                raise _not_member(job, group, epoch, rank, member_id)
-            conflict = {"job": job, "group": group, "epoch": epoch, "seq": seq, "cursor": cursor}
-            earlier = queries.restore_cursor(tx, job, group, epoch, seq)
-            if earlier == cursor:
-                return None
-            if earlier is not None:
-                raise FailedPrecondition(
-                    f"seq {seq} of group {group!r} epoch {epoch} was already restored to "
-                    f"cursor {earlier}, not {cursor}",
-                    reason=pb.RESTORE_CONFLICT,
-                    **conflict,
-                )
-            if queries.lease_row(tx, job, group, epoch, seq) is not None:
-                raise FailedPrecondition(
-                    f"lease {seq} of group {group!r} epoch {epoch} already granted: restore "
-                    "a seq that has not been reserved yet",
-                    reason=pb.RESTORE_CONFLICT,
-                    **conflict,
-                )
-            return g.high_water
-
-        def restore_tx(tx: Tx, now_us: int) -> bool:
-            high_water = recorded(tx)
-            if high_water is None:
-                return True
-            queries.insert_restore(tx, job, group, epoch, seq, cursor, now_us)
-            audit.append(
-                tx,
-                ts_us=now_us,
+        if cursor > MAX_OFFSET - RESTORE_ROOM:
+            raise ResourceExhausted(
+                f"a restore of group {group!r} to cursor {cursor} leaves it {MAX_OFFSET - cursor} "
+                f"offsets, less than 2^32: it could not continue for long; restore to an earlier "
+                "cursor, or start a new job",
                 job=job,
                 group=group,
-                kind="restore",
-                actor=actor,
-                detail={
-                    "epoch": epoch,
-                    "seq": seq,
-                    "cursor": cursor,
-                    "high_water": high_water,
-                    "rank": rank,
-                },
+                start=cursor,
+                size=RESTORE_ROOM,
             )
-            return False
+        timeout = min(
+            self._join_timeout_s if timeout_s is None else timeout_s, self._max_join_timeout_s
+        )
+        key = (job, group, epoch, seq)
+        waiter = self._restore_waiters.setdefault(key, asyncio.get_running_loop().create_future())
+        self._restore_voting[key] += 1
+        try:
+            outcome = await self._write(
+                functools.partial(
+                    self._vote_tx,
+                    job=job,
+                    group=group,
+                    epoch=epoch,
+                    seq=seq,
+                    cursor=cursor,
+                    rank=rank,
+                    member_id=member_id,
+                    actor=actor,
+                    force=force,
+                    now_us=self._clock.now_us(),
+                )
+            )
+            if outcome != "pending":
+                if outcome == "effective" and not waiter.done():
+                    waiter.set_result(cursor)
+                return RestoreResult(cursor, existing=outcome == "existing")
+            if not await self._clock.wait(waiter, timeout):  # type: ignore[arg-type]
+                missing = await self._read(
+                    functools.partial(
+                        queries.restore_missing_voters,
+                        job=job,
+                        group=group,
+                        epoch=epoch,
+                        seq=seq,
+                        limit=16,
+                    )
+                )
+                raise RestoreTimeout(
+                    f"restore of group {group!r} epoch {epoch} seq {seq} to cursor {cursor} "
+                    f"timed out after {timeout:g}s: ranks {missing} did not ask for it; every "
+                    "member must load the same checkpoint",
+                    job=job,
+                    group=group,
+                    epoch=epoch,
+                    seq=seq,
+                    cursor=cursor,
+                    missing=",".join(map(str, missing)),
+                )
+            if waiter.result() != cursor:
+                raise FailedPrecondition(
+                    f"seq {seq} of group {group!r} epoch {epoch} was restored to cursor "
+                    f"{waiter.result()}, not {cursor}",
+                    reason=pb.RESTORE_CONFLICT,
+                    job=job,
+                    group=group,
+                    epoch=epoch,
+                    seq=seq,
+                    cursor=cursor,
+                )
+            return RestoreResult(cursor, existing=False)
+        finally:
+            self._restore_voting[key] -= 1
+            if self._restore_voting[key] == 0:
+                del self._restore_voting[key]
+                self._restore_waiters.pop(key, None)
 
-        if await self._read(recorded) is None:
-            return RestoreResult(cursor, existing=True)
-        existing = await self._write(functools.partial(restore_tx, now_us=self._clock.now_us()))
-        return RestoreResult(cursor, existing=existing)
+    def _vote_tx(
+        self,
+        tx: Tx,
+        *,
+        job: str,
+        group: str,
+        epoch: int,
+        seq: int,
+        cursor: int,
+        rank: int,
+        member_id: str,
+        actor: str,
+        force: bool,
+        now_us: int,
+    ) -> str:
+        """Record a Restore vote; return "existing" (recorded before), "effective" (this vote
+        completed it, or it was forced) or "pending"."""
+        g = queries.group_row(tx, job, group)
+        if g is None:
+            raise _not_found(job, group, queries.job_seed(tx, job) is not None)
+        _check_epoch(g.epoch, job, group, epoch)
+        found = queries.member(tx, job, group, epoch, rank)
+        if found is None or found[1] is not None or found[0] != member_id:
+            raise _not_member(job, group, epoch, rank, member_id)
+        conflict = {"job": job, "group": group, "epoch": epoch, "seq": seq, "cursor": cursor}
+        earlier = queries.restore_cursor(tx, job, group, epoch, seq)
+        if earlier == cursor:
+            return "existing"
+        if earlier is not None:
+            raise FailedPrecondition(
+                f"seq {seq} of group {group!r} epoch {epoch} was already restored to "
+                f"cursor {earlier}, not {cursor}",
+                reason=pb.RESTORE_CONFLICT,
+                **conflict,
+            )
+        if queries.lease_row(tx, job, group, epoch, seq) is not None:
+            raise FailedPrecondition(
+                f"lease {seq} of group {group!r} epoch {epoch} already granted: restore "
+                "a seq that has not been reserved yet",
+                reason=pb.RESTORE_CONFLICT,
+                **conflict,
+            )
+        if force:
+            voters, votes = [actor], 0
+        else:
+            tally = queries.restore_tally(tx, job, group, epoch, seq)
+            if tally is not None and tally[0] != cursor:
+                raise FailedPrecondition(
+                    f"rank {rank} asked to restore seq {seq} of group {group!r} epoch {epoch} to "
+                    f"cursor {cursor}, but {tally[1]} members asked for cursor {tally[0]}: "
+                    "every member must load the same checkpoint",
+                    reason=pb.RESTORE_CONFLICT,
+                    **conflict,
+                )
+            votes = queries.add_restore_vote(
+                tx,
+                job,
+                group,
+                epoch,
+                seq,
+                rank=rank,
+                cursor=cursor,
+                member_id=member_id,
+                actor=actor,
+                now_us=now_us,
+            )
+            row = queries.epoch_row(tx, job, group, epoch)
+            assert row is not None
+            if votes < row.world_size - row.left_count:
+                return "pending"
+            voters = queries.restore_voters(tx, job, group, epoch, seq, limit=64)
+        queries.insert_restore(tx, job, group, epoch, seq, cursor, now_us)
+        self._chain.append(
+            tx,
+            ts_us=now_us,
+            job=job,
+            group=group,
+            kind="restore",
+            actor=actor,
+            detail={
+                "epoch": epoch,
+                "seq": seq,
+                "cursor": cursor,
+                "high_water": g.high_water,
+                "rank": rank,
+                "forced": force,
+                "votes": votes,
+                "voters": voters,
+            },
+        )
+        return "effective"
 
     # --------------------------------------------------------------------- list_audit
 
@@ -808,20 +1038,29 @@ class Coordinator:
             limit: stop after this many records; 0 for no limit. Default 0.
 
         Raises:
-            InvalidArgument: a malformed name or a negative limit.
+            InvalidArgument: a malformed name, an unknown kind or a negative limit.
         """
         with _fields():
             if job:
                 check_name("job", job)
             if group:
                 check_name("group", group)
+        unknown = sorted(set(kinds) - set(audit.KINDS))
+        if unknown:
+            shown = ", ".join(repr(k[:32]) for k in unknown[:3])
+            more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+            raise InvalidArgument(
+                f"unknown audit kinds {shown}{more}: the kinds are {', '.join(audit.KINDS)}",
+                field="kinds",
+                value=unknown[0][:32],
+            )
         if limit < 0:
             raise InvalidArgument(
                 f"invalid limit {limit!r}: it must be 0 (no limit) or more",
                 field="limit",
                 value=limit,
             )
-        return self._audit_pages(job, group, tuple(kinds), since_us, until_us, limit)
+        return self._audit_pages(job, group, tuple(sorted(set(kinds))), since_us, until_us, limit)
 
     async def _audit_pages(
         self,

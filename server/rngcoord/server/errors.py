@@ -26,7 +26,10 @@ __all__ = [
     "JoinTimeout",
     "NotFound",
     "NotMember",
+    "PermissionDenied",
+    "RateLimited",
     "ResourceExhausted",
+    "RestoreTimeout",
     "StaleEpoch",
     "Unavailable",
 ]
@@ -120,6 +123,27 @@ class JoinTimeout(CoordinatorError):
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
     default_reason = pb.JOIN_TIMEOUT
+
+
+class RestoreTimeout(CoordinatorError):
+    """A Restore's vote timed out before every member asked; the message names the missing."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    default_reason = pb.RESTORE_TIMEOUT
+
+
+class PermissionDenied(CoordinatorError):
+    """The caller's token does not allow this call on this job (its role or job patterns)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    default_reason = pb.NOT_PERMITTED
+
+
+class RateLimited(CoordinatorError):
+    """The peer sent more calls than its rate allows; retry after the `retry_after_ms`."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    default_reason = pb.RATE_LIMITED
 
 
 class Unavailable(CoordinatorError):

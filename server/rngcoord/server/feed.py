@@ -84,6 +84,8 @@ class Feed:
         poll_s: how often to look for changes. Default 0.02; the coordinator passes 0.1 for
             PostgreSQL.
         staleness_s: how old the last confirmation may be for `fresh()`. Default 0.5.
+        on_head: called with the chain's head (id, hash) each time the feed reads it.
+            Default None.
     """
 
     def __init__(
@@ -95,10 +97,12 @@ class Feed:
         *,
         poll_s: float = 0.02,
         staleness_s: float = 0.5,
+        on_head: Callable[[int, str], None] | None = None,
     ) -> None:
         self._store = store
         self._read: Callable[[Callable[[Tx], Any]], Awaitable[Any]] = read
         self._on_record = on_record
+        self._on_head = on_head
         self._clock = clock
         self._poll_s = poll_s
         self._staleness_s = staleness_s
@@ -120,7 +124,10 @@ class Feed:
     async def start(self) -> None:
         """Start at the chain's current head: what came before is read from the store on
         demand, so nothing older needs applying."""
-        self._position = (await self._read(queries.audit_head))[0]
+        head = await self._read(queries.audit_head)
+        self._position = head[0]
+        if self._on_head is not None:
+            self._on_head(*head)
         self._confirmed = self._clock.monotonic()
         if isinstance(self._store, NotifyingStore):
             loop = asyncio.get_running_loop()
@@ -160,16 +167,18 @@ class Feed:
             self._version = version
         while True:
             head, rows = await self._read(functools.partial(_page, after_id=self._position))
+            if self._on_head is not None:
+                self._on_head(*head)
             for rid, kind, job, group, detail in rows:
                 self._on_record(FeedRecord(rid, kind, job, group, json.loads(detail)))
-            self._position = rows[-1][0] if len(rows) == _PAGE else max(head, self._position)
+            self._position = rows[-1][0] if len(rows) == _PAGE else max(head[0], self._position)
             if len(rows) < _PAGE:
                 break
         self._confirmed = started
 
 
-def _page(tx: Tx, after_id: int) -> tuple[int, list[tuple[int, str, str, str, str]]]:
+def _page(tx: Tx, after_id: int) -> tuple[tuple[int, str], list[tuple[int, str, str, str, str]]]:
     # The head is read first: records up to it are in this snapshot, so the position can move
     # to it even when none of them is of a feed kind.
-    head, _ = queries.audit_head(tx)
+    head = queries.audit_head(tx)
     return head, queries.audit_feed(tx, after_id, FEED_KINDS, _PAGE)

@@ -12,7 +12,9 @@ batch shares one fsync. Then it completes every caller:
   unless the backend classifies it as retryable (a serialization failure or deadlock), which
   aborts the attempt: the whole batch is rolled back and run again, at most `max_attempts`
   times, with exponential backoff and jitter;
-- a failed BEGIN, SAVEPOINT or COMMIT: every operation of the batch gets `Unavailable`.
+- a failed BEGIN, SAVEPOINT or COMMIT, or an operation failing because the database cannot
+  serve (`is_unavailable`: disk full, I/O error, tables gone): every operation of the batch
+  gets `Unavailable`.
 
 Backends supply the transaction control as callbacks, so SQLite and PostgreSQL share this one
 implementation. Operations must be pure functions of the transaction, as they may run again.
@@ -67,6 +69,9 @@ class GroupCommitWriter:
             must tolerate a broken connection or no open transaction without raising.
         is_retryable: True for an exception after which the whole batch should run again
             (serialization failure, deadlock, a busy lock). Default: nothing is retryable.
+        is_unavailable: True for an exception raised inside an operation that means the
+            database cannot serve (disk full, I/O error, connection lost): the whole batch
+            gets `Unavailable`, as for a failed commit. Default: none does.
         name: the writer thread's name. Default "rngcoord-writer".
         max_batch: most operations in one transaction. Default 256.
         max_attempts: most runs of one batch when attempts fail retryably. Default 5.
@@ -81,6 +86,7 @@ class GroupCommitWriter:
         commit: Callable[[], None],
         rollback: Callable[[], None],
         is_retryable: Callable[[BaseException], bool] = lambda exc: False,
+        is_unavailable: Callable[[BaseException], bool] = lambda exc: False,
         name: str = "rngcoord-writer",
         max_batch: int = 256,
         max_attempts: int = 5,
@@ -92,6 +98,7 @@ class GroupCommitWriter:
         self._commit = commit
         self._rollback = rollback
         self._is_retryable = is_retryable
+        self._is_unavailable = is_unavailable
         self._max_batch = max_batch
         self._max_attempts = max_attempts
         self._backoff_s = backoff_s
@@ -165,7 +172,9 @@ class GroupCommitWriter:
                 else:
                     message = f"store {failure.phase} failed: {failure.cause}"
                 for op in batch:
-                    op.future.set_exception(Unavailable(message))
+                    error = Unavailable(message)
+                    error.__cause__ = failure.cause  # a StoreLost tells the coordinator
+                    op.future.set_exception(error)
                 return
             except Exception as exc:
                 # A failing callback must not leave callers blocked or stop the writer thread:
@@ -199,7 +208,7 @@ class GroupCommitWriter:
                 self._end_savepoint(tx, keep=exc.keep_writes)
                 outcomes.append((False, exc))
             except Exception as exc:
-                if self._is_retryable(exc):
+                if self._is_retryable(exc) or self._is_unavailable(exc):
                     raise _AttemptFailed("write", exc) from exc
                 self._end_savepoint(tx, keep=False)
                 outcomes.append((False, exc))

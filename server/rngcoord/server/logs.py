@@ -4,6 +4,11 @@ Every line has `ts` (UTC, ISO 8601 with microseconds), `level`, `logger`, `event
 snake_case name for what happened) and `fields` (the event's details). A logged exception adds
 `exc` with the formatted traceback. Log with `event(logger, level, "name", key=value, ...)`.
 
+Other libraries' Python loggers (psycopg, psycopg_pool, asyncio, grpc's Python layer) and
+Python warnings go through the same formatter from WARNING up: their message becomes `event`.
+gRPC core's own C++ log lines bypass Python; `rngcoord serve` silences them
+(GRPC_VERBOSITY=NONE) unless the environment sets GRPC_VERBOSITY, for debugging.
+
 The servicer logs nothing per request at INFO: requests are counted in metrics instead, and
 only failures the caller cannot explain (INTERNAL) are logged.
 """
@@ -37,7 +42,8 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure(level: int | str = logging.INFO, stream: IO[str] | None = None) -> logging.Logger:
-    """Send the `rngcoord` loggers to `stream` as JSON lines and return the root one.
+    """Send the `rngcoord` loggers (from `level`) and every other logger (from WARNING) to
+    `stream` as JSON lines; return the `rngcoord` logger.
 
     Args:
         level: the lowest level logged. Default INFO.
@@ -45,14 +51,20 @@ def configure(level: int | str = logging.INFO, stream: IO[str] | None = None) ->
 
     Calling it again replaces the previous handler, so it never logs a line twice.
     """
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    logging.captureWarnings(True)
     logger = logging.getLogger(LOGGER_NAME)
     for old in list(logger.handlers):
         logger.removeHandler(old)
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(JsonFormatter())
     logger.addHandler(handler)
     logger.setLevel(level)
-    # Lines stay JSON-only: nothing propagates to a root logger with another format.
+    # rngcoord's lines are written once, by its own handler, at its own level.
     logger.propagate = False
     return logger
 

@@ -44,7 +44,13 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from rngcoord.server.errors import Unavailable
 from rngcoord.server.groupcommit import GroupCommitWriter
-from rngcoord.server.store import Tx, apply_migrations
+from rngcoord.server.store import (
+    StoreLost,
+    StoreNotFound,
+    Tx,
+    apply_migrations,
+    read_store_id,
+)
 
 __all__ = ["ISOLATION_LEVELS", "PostgresStore", "PostgresTx", "convert_placeholders"]
 
@@ -56,7 +62,12 @@ ISOLATION_LEVELS: Final = ("read committed", "repeatable read", "serializable")
 MIGRATION_LOCK_KEY: Final = 0x726E67636F6F7264
 """The advisory-lock key ("rngcoord" in ASCII) that orders concurrent migrations."""
 
-_LOCK_HEAD = "SELECT last_id FROM audit_head WHERE id = 1 FOR UPDATE"
+_LOCK_HEAD = (
+    "SELECT m.value FROM audit_head h, meta m WHERE h.id = 1 AND m.name = 'store_id' "
+    "FOR UPDATE OF h"
+)
+"""Locks the chain's head for the transaction, and reads the store id in the same round trip:
+a write never lands in a store that replaced this one under the server."""
 
 CHANGES_CHANNEL: Final = "rngcoord_changes"
 """Every write transaction sends a NOTIFY on this channel, delivered when it commits: the
@@ -189,6 +200,8 @@ class PostgresStore:
 
     Args:
         url: a libpq connection URL, `postgresql://USER[:PASSWORD]@HOST[:PORT]/DB[?...]`.
+        create: create rngcoord's schema when the database has none. Default False:
+            `StoreNotFound`.
         isolation: the writer's isolation level, one of `ISOLATION_LEVELS`, or None for the
             server's default (READ COMMITTED on PostgreSQL; SERIALIZABLE on CockroachDB).
             Every level is correct: the `audit_head` lock orders writers, and conflicts that a
@@ -214,6 +227,7 @@ class PostgresStore:
         self,
         url: str,
         *,
+        create: bool = False,
         isolation: str | None = None,
         min_readers: int = 1,
         max_readers: int = 16,
@@ -228,6 +242,8 @@ class PostgresStore:
             )
         self._url_params = _parse(url)
         self.url = _describe(self._url_params)
+        self.location = self.url
+        self._create = create
         self._conninfo = url
         self._begin_sql = "BEGIN" if isolation is None else f"BEGIN ISOLATION LEVEL {isolation}"
         self._max_attempts = max_attempts
@@ -268,6 +284,7 @@ class PostgresStore:
             commit=self._commit,
             rollback=self._rollback,
             is_retryable=_is_retryable,
+            is_unavailable=self.is_unavailable,
             name="rngcoord-postgres-writer",
             max_batch=max_batch,
             max_attempts=max_attempts,
@@ -317,7 +334,15 @@ class PostgresStore:
         conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
         try:
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+            exists = conn.execute("SELECT to_regclass('schema_version')").fetchone()
+            if not self._create and (exists is None or exists[0] is None):
+                raise StoreNotFound(
+                    f"no rngcoord store in {self.url}: create one with `rngcoord serve --init` "
+                    "(a new store starts every stream again at offset 0; after losing a store, "
+                    "add --floor-from AUDIT_EXPORT), or point --db at the existing one"
+                )
             apply_migrations(PostgresTx(conn), "postgres")
+            self.store_id = read_store_id(PostgresTx(conn))
             conn.execute("COMMIT")
         except BaseException:
             self._rollback()
@@ -328,7 +353,13 @@ class PostgresStore:
     def _begin(self) -> PostgresTx:
         conn = self._writer_connection()
         conn.execute(self._begin_sql)
-        conn.execute(_LOCK_HEAD)
+        try:
+            row = conn.execute(_LOCK_HEAD).fetchone()
+        except psycopg.errors.UndefinedTable as exc:
+            raise StoreLost(f"rngcoord's tables are gone from {self.url}: {exc}") from exc
+        if row is None or row[0] != self.store_id:
+            found = "none" if row is None else row[0]
+            raise StoreLost(f"the database {self.url} now holds another store ({found})")
         return PostgresTx(conn)
 
     def _commit(self) -> None:
@@ -444,6 +475,29 @@ class PostgresStore:
             self._pool.check()
             time.sleep(self._backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
             attempt += 1
+
+    def is_unavailable(self, exc: BaseException) -> bool:
+        """A connection failure, a pool timeout, a server-side resource or I/O error, or
+        rngcoord's tables gone; not a constraint violation or a bad statement (bugs)."""
+        return isinstance(
+            exc,
+            StoreLost
+            | Unavailable
+            | PoolTimeout
+            | psycopg.OperationalError
+            | psycopg.errors.UndefinedTable
+            | psycopg.errors.InsufficientResources
+            | psycopg.errors.DiskFull,
+        )
+
+    def check_identity(self) -> None:
+        """Raise `StoreLost` unless the database still holds this store (its schema and id)."""
+        try:
+            found = self.read(read_store_id)
+        except psycopg.errors.UndefinedTable as exc:
+            raise StoreLost(f"rngcoord's tables are gone from {self.url}: {exc}") from exc
+        if found != self.store_id:
+            raise StoreLost(f"the database {self.url} now holds another store ({found})")
 
     # ------------------------------------------------------------------------ changes
 

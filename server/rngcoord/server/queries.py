@@ -60,6 +60,7 @@ class EpochRow:
     start: int
     members_digest: bytes
     diverged: str | None
+    left_count: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +105,38 @@ def group_row(tx: Tx, job: str, group: str) -> GroupRow | None:
     return GroupRow(from_db(row[0]), int(row[1]), from_db(row[2]), int(row[3]), int(row[4]))
 
 
-def insert_group(tx: Tx, job: str, group: str, seed: int) -> GroupRow:
+def floor_of(tx: Tx, job: str, group: str) -> int:
+    """Where a new group starts: the highest floor recorded for it, its job, or every job (0
+    when none; floors come from `rngcoord serve --init --floor-from`)."""
+    row = tx.fetchone(
+        "SELECT MAX(floor) FROM floors "
+        "WHERE (job = ? AND grp IN (?, '')) OR (job = '' AND grp = '')",
+        (job, group),
+    )
+    return 0 if row is None or row[0] is None else from_db(row[0])
+
+
+def insert_floor(tx: Tx, job: str, group: str, floor: int) -> None:
+    """Record a floor (raising an existing one only)."""
+    row = tx.fetchone("SELECT floor FROM floors WHERE job = ? AND grp = ?", (job, group))
+    if row is None:
+        tx.execute(
+            "INSERT INTO floors (job, grp, floor) VALUES (?, ?, ?)", (job, group, to_db(floor))
+        )
+    elif from_db(row[0]) < floor:
+        tx.execute(
+            "UPDATE floors SET floor = ? WHERE job = ? AND grp = ?", (to_db(floor), job, group)
+        )
+
+
+def insert_group(tx: Tx, job: str, group: str, seed: int, floor: int = 0) -> GroupRow:
+    """Record a new group, whose stream starts at `floor`."""
     tx.execute(
         "INSERT INTO groups (job, grp, seed, epoch, high_water, barrier_size, barrier_count) "
         "VALUES (?, ?, ?, 0, ?, 0, 0)",
-        (job, group, to_db(seed), to_db(0)),
+        (job, group, to_db(seed), to_db(floor)),
     )
-    return GroupRow(seed, 0, 0, 0, 0)
+    return GroupRow(seed, 0, floor, 0, 0)
 
 
 def set_barrier(tx: Tx, job: str, group: str, size: int, count: int) -> None:
@@ -122,13 +148,13 @@ def set_barrier(tx: Tx, job: str, group: str, size: int, count: int) -> None:
 
 def epoch_row(tx: Tx, job: str, group: str, epoch: int) -> EpochRow | None:
     row = tx.fetchone(
-        "SELECT world_size, start, members_digest, diverged FROM epochs "
+        "SELECT world_size, start, members_digest, diverged, left_count FROM epochs "
         "WHERE job = ? AND grp = ? AND epoch = ?",
         (job, group, epoch),
     )
     if row is None:
         return None
-    return EpochRow(epoch, int(row[0]), from_db(row[1]), bytes(row[2]), row[3])
+    return EpochRow(epoch, int(row[0]), from_db(row[1]), bytes(row[2]), row[3], int(row[4]))
 
 
 def insert_epoch(
@@ -205,9 +231,14 @@ def members_of_ranks(
 
 
 def set_left(tx: Tx, job: str, group: str, epoch: int, rank: int, now_us: int) -> None:
+    """Mark `rank` as having left the epoch (the caller checked it had not)."""
     tx.execute(
         "UPDATE members SET left_us = ? WHERE job = ? AND grp = ? AND epoch = ? AND rank = ?",
         (now_us, job, group, epoch, rank),
+    )
+    tx.execute(
+        "UPDATE epochs SET left_count = left_count + 1 WHERE job = ? AND grp = ? AND epoch = ?",
+        (job, group, epoch),
     )
 
 
@@ -476,6 +507,84 @@ def insert_restore(
         "VALUES (?, ?, ?, ?, ?, ?)",
         (job, group, epoch, seq, to_db(cursor), now_us),
     )
+
+
+def restore_tally(tx: Tx, job: str, group: str, epoch: int, seq: int) -> tuple[int, int] | None:
+    """(cursor, votes) of the Restore of `seq` being voted on, or None when nobody asked yet."""
+    row = tx.fetchone(
+        'SELECT "cursor", votes FROM restore_tallies '
+        "WHERE job = ? AND grp = ? AND epoch = ? AND seq = ?",
+        (job, group, epoch, seq),
+    )
+    return None if row is None else (from_db(row[0]), int(row[1]))
+
+
+def add_restore_vote(
+    tx: Tx,
+    job: str,
+    group: str,
+    epoch: int,
+    seq: int,
+    *,
+    rank: int,
+    cursor: int,
+    member_id: str,
+    actor: str,
+    now_us: int,
+) -> int:
+    """Record `rank`'s vote for restoring `seq` to `cursor` (the caller checked the tally's
+    cursor matches); return the votes so far. A rank voting again counts once."""
+    if tx.fetchone(
+        "SELECT 1 FROM restore_votes WHERE job = ? AND grp = ? AND epoch = ? AND seq = ? "
+        "AND rank = ?",
+        (job, group, epoch, seq, rank),
+    ):
+        tally = restore_tally(tx, job, group, epoch, seq)
+        assert tally is not None
+        return tally[1]
+    tx.execute(
+        'INSERT INTO restore_votes (job, grp, epoch, seq, rank, "cursor", member_id, actor, '
+        "created_us) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (job, group, epoch, seq, rank, to_db(cursor), member_id, actor, now_us),
+    )
+    if tx.execute(
+        "UPDATE restore_tallies SET votes = votes + 1 "
+        "WHERE job = ? AND grp = ? AND epoch = ? AND seq = ?",
+        (job, group, epoch, seq),
+    ):
+        tally = restore_tally(tx, job, group, epoch, seq)
+        assert tally is not None
+        return tally[1]
+    tx.execute(
+        'INSERT INTO restore_tallies (job, grp, epoch, seq, "cursor", votes) '
+        "VALUES (?, ?, ?, ?, ?, 1)",
+        (job, group, epoch, seq, to_db(cursor)),
+    )
+    return 1
+
+
+def restore_voters(tx: Tx, job: str, group: str, epoch: int, seq: int, *, limit: int) -> list[str]:
+    """ "rank:actor" of up to `limit` voters for restoring `seq`, in rank order."""
+    rows = tx.fetchall(
+        "SELECT rank, actor FROM restore_votes WHERE job = ? AND grp = ? AND epoch = ? "
+        "AND seq = ? ORDER BY rank LIMIT ?",
+        (job, group, epoch, seq, limit),
+    )
+    return [f"{int(r)}:{a}" for r, a in rows]
+
+
+def restore_missing_voters(
+    tx: Tx, *, job: str, group: str, epoch: int, seq: int, limit: int
+) -> list[int]:
+    """Up to `limit` current members of the epoch (not left) that have not voted on `seq`."""
+    rows = tx.fetchall(
+        "SELECT m.rank FROM members m WHERE m.job = ? AND m.grp = ? AND m.epoch = ? "
+        "AND m.left_us IS NULL AND NOT EXISTS (SELECT 1 FROM restore_votes v "
+        "WHERE v.job = m.job AND v.grp = m.grp AND v.epoch = m.epoch AND v.seq = ? "
+        "AND v.rank = m.rank) ORDER BY m.rank LIMIT ?",
+        (job, group, epoch, seq, limit),
+    )
+    return [int(r[0]) for r in rows]
 
 
 def audit_head(tx: Tx) -> tuple[int, str]:

@@ -2,12 +2,23 @@
 
 It holds no domain logic. Every handler is a coroutine on the server's event loop: a waiting
 JoinGroup holds no thread, and a caller that cancels or disconnects cancels its handler (the
-barrier withdraws its join). For every RPC it calls the transport-free `Coordinator`, turns a
-`CoordinatorError` into the rich status it carries (code, message, and an ErrorInfo with its
-reason and metadata), turns any other exception into INTERNAL (the traceback is logged under
-an incident id; the caller gets only the id), and counts the outcome in `Metrics`. Nothing is
-logged per request: the hot path (Reserve) does a few attribute lookups, one Coordinator call
-and one response message.
+barrier withdraws its join). Calls reach it through the gate (rngcoord.server.gate), which has
+admitted, decoded and authorized them. For every RPC it calls the transport-free
+`Coordinator` and:
+
+- names the caller in audit records: the token's identity, rank, member id and peer;
+- puts the store id in JoinGroup and GetGroup replies, and the audit chain's head in the
+  trailing metadata `rngcoord-audit-head` of JoinGroup and Reserve replies and of every
+  refusal;
+- refuses everything with UNAVAILABLE / STORE_LOST once the coordinator found its store gone;
+- turns a `CoordinatorError` into the rich status it carries (code, message, and an ErrorInfo
+  with its reason and metadata), a database that cannot serve into UNAVAILABLE /
+  STORE_UNAVAILABLE, and anything else into INTERNAL (the traceback is logged under an
+  incident id; the caller gets only the id);
+- counts the outcome in `Metrics`.
+
+Nothing is logged per request: the hot path (Reserve) does a few attribute lookups, one
+Coordinator call and one response message.
 """
 
 from __future__ import annotations
@@ -21,7 +32,8 @@ from typing import NoReturn
 import grpc
 
 from rngcoord.server.coordinator import Coordinator
-from rngcoord.server.errors import CoordinatorError, Divergence
+from rngcoord.server.errors import CoordinatorError, Divergence, Unavailable
+from rngcoord.server.gate import current_identity
 from rngcoord.server.logs import event, get_logger
 from rngcoord.server.metrics import Metrics
 from rngcoord.v1 import coordinator_pb2 as pb
@@ -30,6 +42,7 @@ from rngcoord.v1.status import rich_status
 
 _log = get_logger("service")
 _INTERNAL = pb.ErrorReason.Name(pb.INTERNAL_ERROR)
+HEAD_TRAILER = "rngcoord-audit-head"
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -53,6 +66,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._audit_seconds = latency["ListAudit"]
         self._grants = self._metrics.grants
         self._hits = self._metrics.hits
+        self._store_id = coordinator.store.store_id
+
+    def _check_store(self) -> None:
+        lost = self._coord.lost
+        if lost is not None:
+            raise Unavailable(
+                f"this coordinator's store is lost ({lost}); it refuses every call until it "
+                "is restarted on the right store",
+                reason=pb.STORE_LOST,
+                store_id=self._store_id,
+                location=self._coord.store.location,
+            )
+
+    def _set_head(self, context: grpc.aio.ServicerContext[object, object]) -> None:
+        context.set_trailing_metadata(((HEAD_TRAILER, self._coord.head_anchor()),))
 
     async def JoinGroup(
         self, request: pb.JoinGroupRequest, context: grpc.aio.ServicerContext[object, object]
@@ -65,6 +93,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             timeout_s = max(min(timeout_s, remaining), 0.001)
         peer = context.peer()
         try:
+            self._check_store()
             r = await self._coord.join(
                 request.job,
                 request.group,
@@ -73,20 +102,24 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 member_id=request.member_id,
                 job_seed=request.job_seed if request.HasField("job_seed") else None,
                 timeout_s=timeout_s,
-                actor=f"rank {request.rank} member {request.member_id[:128]} @ {peer}",
+                actor=_actor(request.rank, request.member_id, context),
                 peer=peer,
                 include_members=request.include_members,
             )
         except Exception as exc:
             await self._fail("JoinGroup", exc, context, t0)
         self._join_seconds.observe(perf_counter() - t0)
-        return r.to_pb(include_members=request.include_members)
+        reply = r.to_pb(include_members=request.include_members)
+        reply.store_id = self._store_id
+        self._set_head(context)
+        return reply
 
     async def Reserve(
         self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> pb.ReserveResponse:
         t0 = perf_counter()
         try:
+            self._check_store()
             r = await self._coord.reserve(
                 request.job,
                 request.group,
@@ -102,6 +135,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await self._fail("Reserve", exc, context, t0)
         (self._hits if r.existing else self._grants).inc()
         self._reserve_seconds.observe(perf_counter() - t0)
+        self._set_head(context)
         return r.to_pb()
 
     async def LeaveGroup(
@@ -109,6 +143,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     ) -> pb.LeaveGroupResponse:
         t0 = perf_counter()
         try:
+            self._check_store()
             await self._coord.leave(
                 request.job,
                 request.group,
@@ -127,6 +162,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     ) -> pb.GetGroupResponse:
         t0 = perf_counter()
         try:
+            self._check_store()
             g = await self._coord.get_group(
                 request.job,
                 request.group,
@@ -136,13 +172,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except Exception as exc:
             await self._fail("GetGroup", exc, context, t0)
         self._get_seconds.observe(perf_counter() - t0)
-        return g.to_pb()
+        reply = g.to_pb()
+        reply.store_id = self._store_id
+        return reply
 
     async def Restore(
         self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> pb.RestoreResponse:
         t0 = perf_counter()
+        timeout_s = request.timeout_ms / 1000 if request.timeout_ms else None
+        remaining = context.time_remaining()
+        if remaining is not None:
+            # Waiting for votes past the caller's own deadline would answer nobody.
+            timeout_s = max(min(timeout_s or remaining, remaining), 0.001)
         try:
+            self._check_store()
             r = await self._coord.restore(
                 request.job,
                 request.group,
@@ -152,6 +196,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 rank=request.rank,
                 member_id=request.member_id,
                 actor=_actor(request.rank, request.member_id, context),
+                force=request.force,
+                timeout_s=timeout_s,
             )
         except Exception as exc:
             await self._fail("Restore", exc, context, t0)
@@ -165,6 +211,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # stream that is not read holds only its position; a cancelled one stops here.
         t0 = perf_counter()
         try:
+            self._check_store()
             records = self._coord.list_audit(
                 job=request.job,
                 group=request.group,
@@ -190,6 +237,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._metrics.latency[method].observe(perf_counter() - t0)
         if isinstance(exc, asyncio.CancelledError):
             raise exc
+        if not isinstance(exc, CoordinatorError) and self._coord.store.is_unavailable(exc):
+            exc = Unavailable(f"the store cannot serve {method} now: {exc}")
         if isinstance(exc, CoordinatorError):
             if isinstance(exc, Divergence):
                 self._metrics.divergences.inc()
@@ -212,10 +261,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             status = rich_status(
                 grpc.StatusCode.INTERNAL, message, _INTERNAL, {"incident": incident}
             )
-        await context.abort(status.code, status.details, status.trailing_metadata)
+        # Refusals carry the head too: a client that meets another store learns it from the
+        # first refusal (an unknown job, say), not from a reply it never gets.
+        trailers = (*status.trailing_metadata, (HEAD_TRAILER, self._coord.head_anchor()))
+        await context.abort(status.code, status.details, trailers)
         raise AssertionError("context.abort returned")  # it always raises
 
 
 def _actor(rank: int, member_id: str, context: grpc.aio.ServicerContext[object, object]) -> str:
-    """Who made a request, for the audit log: "rank 1 member m-abc @ ipv4:10.0.0.7:41234"."""
-    return f"rank {rank} member {member_id[:128]} @ {context.peer()}"
+    """Who made a request, for the audit log: "trainer: rank 1 member m-abc @
+    ipv4:10.0.0.7:41234" (the token's identity first, when tokens are on)."""
+    who = current_identity()
+    name = f"{who.name}: " if who is not None else ""
+    return f"{name}rank {rank} member {member_id[:128]} @ {context.peer()}"

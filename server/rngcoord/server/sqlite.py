@@ -11,6 +11,7 @@ synchronous=FULL a commit returns only after the WAL is fsynced: a write is dura
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
@@ -20,7 +21,13 @@ from typing import Any, TypeVar
 
 from rngcoord.server.errors import Unavailable
 from rngcoord.server.groupcommit import GroupCommitWriter
-from rngcoord.server.store import Tx, apply_migrations
+from rngcoord.server.store import (
+    StoreLost,
+    StoreNotFound,
+    Tx,
+    apply_migrations,
+    read_store_id,
+)
 
 __all__ = ["SqliteStore", "SqliteTx"]
 
@@ -67,18 +74,41 @@ class SqliteStore:
     """A `Store` in one SQLite file.
 
     Args:
-        path: the database file; created with its schema when missing.
+        path: the database file.
+        create: create the file with its schema when there is no store there. Default False:
+            `StoreNotFound` (a relative path is resolved against the working directory, which
+            the message names).
         busy_timeout_ms: how long a connection waits for a lock held by another process
             before failing. Default 5000.
         max_batch: most write operations per transaction. Default 256.
+
+    Every write transaction first checks that the file at `path` is still the one opened
+    (same device and inode): a store deleted or replaced under a running server fails every
+    later write with UNAVAILABLE instead of acknowledging it into an unlinked file.
     """
 
     dialect = "sqlite"
 
-    def __init__(self, path: str | Path, *, busy_timeout_ms: int = 5000, max_batch: int = 256):
-        self.path = Path(path)
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        create: bool = False,
+        busy_timeout_ms: int = 5000,
+        max_batch: int = 256,
+    ):
+        self.path = Path(path).absolute()
+        self.location = str(self.path)
+        if not create and not _has_schema(self.path):
+            raise StoreNotFound(
+                f"no rngcoord store at {self.path}: create one with `rngcoord serve --init` "
+                "(a new store starts every stream again at offset 0; after losing a store, "
+                "add --floor-from AUDIT_EXPORT), or point --db at the existing one"
+            )
         self._busy_timeout_ms = busy_timeout_ms
         self._conn = self._connect()
+        stat = os.stat(self.path)
+        self._identity = (stat.st_dev, stat.st_ino)
         mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if mode != "wal":
             self._conn.close()
@@ -90,6 +120,7 @@ class SqliteStore:
             commit=self._commit,
             rollback=self._rollback,
             is_retryable=_is_busy,
+            is_unavailable=self.is_unavailable,
             name=f"rngcoord-sqlite-writer:{self.path.name}",
             max_batch=max_batch,
         )
@@ -99,9 +130,20 @@ class SqliteStore:
         self._closed = False
         try:
             self._writer.write(lambda tx: apply_migrations(tx, "sqlite"))
+            self.store_id = self._writer.write(read_store_id)
         except BaseException:
             self.close()
             raise
+
+    def is_unavailable(self, exc: BaseException) -> bool:
+        """A disk full, I/O error, lock timeout, unreadable or missing file or table; not a
+        constraint or API misuse (those are bugs)."""
+        return isinstance(exc, StoreLost) or (
+            isinstance(exc, sqlite3.DatabaseError)
+            and not isinstance(
+                exc, sqlite3.IntegrityError | sqlite3.ProgrammingError | sqlite3.InterfaceError
+            )
+        )
 
     def _connect(self) -> sqlite3.Connection:
         # isolation_level=None: the module must not open transactions behind our back; and
@@ -116,8 +158,23 @@ class SqliteStore:
         return conn
 
     def _begin(self) -> SqliteTx:
+        self._check_file()
         self._conn.execute("BEGIN IMMEDIATE")
         return self._tx
+
+    def _check_file(self) -> None:
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            raise StoreLost(f"the store file {self.path} was deleted") from None
+        if (stat.st_dev, stat.st_ino) != self._identity:
+            raise StoreLost(f"the store file {self.path} was replaced by another file")
+
+    def check_identity(self) -> None:
+        """Raise `StoreLost` unless `path` is still the file opened, with the same store id."""
+        self._check_file()
+        if self.read(read_store_id) != self.store_id:
+            raise StoreLost(f"the store at {self.path} now has another store id")
 
     def _commit(self) -> None:
         self._conn.execute("COMMIT")
@@ -196,3 +253,22 @@ class SqliteStore:
         for conn in readers:
             conn.close()
         self._conn.close()
+
+
+def _has_schema(path: Path) -> bool:
+    """Whether `path` is an SQLite file with rngcoord's schema in it."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return False
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return False
+    try:
+        row = conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'"
+        ).fetchone()
+    except sqlite3.DatabaseError:
+        return False  # not an SQLite file, so no store either
+    finally:
+        conn.close()
+    return row is not None

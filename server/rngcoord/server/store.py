@@ -24,6 +24,8 @@ __all__ = [
     "BIAS",
     "RowReader",
     "Store",
+    "StoreLost",
+    "StoreNotFound",
     "Tx",
     "apply_migrations",
     "from_db",
@@ -36,6 +38,19 @@ T = TypeVar("T")
 
 BIAS = 1 << 63
 """Subtracted from a uint64 before it is stored in a signed BIGINT column."""
+
+
+class StoreNotFound(RuntimeError):
+    """The URL names no rngcoord store, and creating one was not asked for (`--init`).
+
+    A coordinator never starts over on an empty store by itself: the streams of every job
+    would begin again at offset 0 (docs/design.md §2.11).
+    """
+
+
+class StoreLost(RuntimeError):
+    """The store a server opened is gone or was replaced under it (its file unlinked or
+    swapped, its schema dropped, another store's id in its place)."""
 
 
 def to_db(value: int) -> int:
@@ -73,6 +88,22 @@ class Store(Protocol):
 
     dialect: str
     """Which SQL dialect the backend speaks: "sqlite" or "postgresql"."""
+
+    store_id: str
+    """The store's identity, drawn when it was created (the `meta` table)."""
+
+    location: str
+    """Where the store is, for messages (an absolute file path, or a URL without password)."""
+
+    def is_unavailable(self, exc: BaseException) -> bool:
+        """Whether `exc`, raised by the driver, means the database cannot serve now (down,
+        unreachable, full, unreadable, its tables gone) rather than a bug: such a failure is
+        answered UNAVAILABLE, which clients retry, and fails the whole write batch."""
+        ...
+
+    def check_identity(self) -> None:
+        """Raise `StoreLost` unless the store is still the one that was opened."""
+        ...
 
     def read(self, fn: Callable[[Tx], T]) -> T:
         """Run `fn` in a read-only snapshot and return its result. Safe from any thread."""
@@ -176,6 +207,14 @@ def _migration_files(folder: str) -> list[tuple[int, str, str]]:
             f"found {versions}"
         )
     return found
+
+
+def read_store_id(tx: Tx) -> str:
+    """The store's id from `meta` (migration 003 draws it)."""
+    row = tx.fetchone("SELECT value FROM meta WHERE name = 'store_id'")
+    if row is None:
+        raise StoreLost("the store has no store_id: its meta table was emptied")
+    return str(row[0])
 
 
 def apply_migrations(tx: Tx, folder: str) -> int:

@@ -12,25 +12,29 @@ from rngcoord.server.store import Store
 __all__ = ["open_store"]
 
 
-def open_store(url: str) -> Store:
+def open_store(url: str, *, create: bool = False) -> Store:
     """Open the store a URL names, applying pending schema migrations.
 
     Args:
         url: `sqlite:///PATH` (PATH relative to the working directory; `sqlite:////abs/path`
             for an absolute one) or `postgresql://...` (a libpq connection URL).
+        create: create the store when there is none (`rngcoord serve --init`). Default False:
+            a missing or empty store raises `StoreNotFound`, so that nothing silently starts
+            over at offset 0.
 
     Raises:
         ValueError: the URL names no supported backend.
+        StoreNotFound: no store there, and `create` is False.
     """
     if url.startswith("sqlite:///"):
         from rngcoord.server.sqlite import SqliteStore
 
-        return SqliteStore(url.removeprefix("sqlite:///"))
+        return SqliteStore(url.removeprefix("sqlite:///"), create=create)
     if url.startswith(("postgresql://", "postgres://")):
         # Imported lazily: the SQLite-only deployment never needs psycopg.
         from rngcoord.server.postgres import PostgresStore
 
-        store: Store = PostgresStore(url)
+        store: Store = PostgresStore(url, create=create)
         return store
     raise ValueError(
         f"unsupported store URL {url!r}: use sqlite:///PATH or postgresql://USER@HOST/DB"

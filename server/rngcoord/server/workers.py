@@ -14,7 +14,8 @@ The supervisor:
 - serves the Prometheus endpoint itself, aggregating the workers' metrics
   (prometheus_client's multiprocess mode);
 - writes the ready file once every worker serves;
-- restarts a worker that dies, and on SIGTERM or SIGINT tells every worker to drain.
+- restarts a worker that dies, passes SIGHUP on to every worker (each reloads its token
+  file), and on SIGTERM or SIGINT tells every worker to drain.
 """
 
 from __future__ import annotations
@@ -88,6 +89,11 @@ def supervise(
             if proc.pid is not None and proc.is_alive():
                 os.kill(proc.pid, signal.SIGTERM)
 
+    def on_hangup(_signum: int, _frame: object) -> None:
+        for proc in procs.values():
+            if proc.pid is not None and proc.is_alive():
+                os.kill(proc.pid, signal.SIGHUP)
+
     try:
         for index in range(workers):
             start(index)
@@ -100,6 +106,7 @@ def supervise(
             write_atomically(ready_file, address)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, on_signal)
+        signal.signal(signal.SIGHUP, on_hangup)
         while not stopping:
             wait_for_any([p.sentinel for p in procs.values()], timeout=1.0)
             for index, proc in list(procs.items()):
@@ -180,15 +187,34 @@ def _worker_main(options: ServerOptions, ready: Any, level: int, grace_s: float)
     configure(level)
     # Ctrl-C reaches the whole process group; the supervisor decides, and sends SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Until the event loop takes SIGHUP over, a reload must not end the worker.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    parent = os.getppid()
+
+    async def orphaned(stop: asyncio.Event) -> None:
+        # A supervisor killed outright (SIGKILL) cannot tell its workers: they drain by
+        # themselves rather than keep serving the port unsupervised.
+        while os.getppid() == parent:
+            await asyncio.sleep(1.0)
+        event(_log, logging.WARNING, "supervisor_gone", worker=options.worker)
+        stop.set()
 
     async def main() -> None:
         stop = asyncio.Event()
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        reload = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, reload.set)
+        watchdog = loop.create_task(orphaned(stop))
 
         def started(address: str, _metrics: str | None) -> None:
             ready.put(("ready", options.worker, address))
 
-        await run_server(options, stop, started=started, grace_s=grace_s)
+        try:
+            await run_server(options, stop, started=started, grace_s=grace_s, reload=reload)
+        finally:
+            watchdog.cancel()
 
     try:
         asyncio.run(main())

@@ -22,6 +22,23 @@ CREATE TABLE restore_votes (
     PRIMARY KEY (job, grp, epoch, seq, rank)
 );
 
+CREATE TABLE restore_tallies (
+    job         TEXT    NOT NULL,
+    grp         TEXT    NOT NULL,
+    epoch       BIGINT  NOT NULL,
+    seq         BIGINT  NOT NULL,
+    "cursor"    BIGINT  NOT NULL,
+    votes       BIGINT  NOT NULL,
+    PRIMARY KEY (job, grp, epoch, seq)
+);
+
+ALTER TABLE epochs ADD COLUMN left_count BIGINT NOT NULL DEFAULT 0;
+UPDATE epochs SET left_count = (
+    SELECT COUNT(*) FROM members m
+    WHERE m.job = epochs.job AND m.grp = epochs.grp AND m.epoch = epochs.epoch
+    AND m.left_us IS NOT NULL
+);
+
 CREATE TABLE floors (
     job         TEXT    NOT NULL,
     grp         TEXT    NOT NULL,

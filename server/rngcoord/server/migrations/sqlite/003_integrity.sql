@@ -28,6 +28,25 @@ CREATE TABLE restore_votes (
     PRIMARY KEY (job, grp, epoch, seq, rank)
 ) WITHOUT ROWID;
 
+-- One row per Restore being voted on: the cursor asked for, and how many members asked.
+CREATE TABLE restore_tallies (
+    job         TEXT    NOT NULL,
+    grp         TEXT    NOT NULL,
+    epoch       INTEGER NOT NULL,
+    seq         INTEGER NOT NULL,
+    "cursor"    INTEGER NOT NULL,
+    votes       INTEGER NOT NULL,
+    PRIMARY KEY (job, grp, epoch, seq)
+) WITHOUT ROWID;
+
+-- Members of the epoch that left, so that a Restore knows how many votes it needs in O(1).
+ALTER TABLE epochs ADD COLUMN left_count INTEGER NOT NULL DEFAULT 0;
+UPDATE epochs SET left_count = (
+    SELECT COUNT(*) FROM members m
+    WHERE m.job = epochs.job AND m.grp = epochs.grp AND m.epoch = epochs.epoch
+    AND m.left_us IS NOT NULL
+);
+
 -- Floors from a lost store (`rngcoord serve --init --floor-from`): a group created here starts
 -- at its floor, so nothing granted from the lost store is granted again. grp '' holds a floor
 -- for every group of the job, and job '' one for every job.
