@@ -307,7 +307,7 @@ def semantics(ctx: Ctx) -> dict[str, Any]:
     out["a_resumed_epochs"] = {name: m.epoch for name, m in a2.leases.items()}
     a2.close()
 
-    reference = RNGStateTracker("cpu")
+    reference = RNGStateTracker("cpu", root=mesh)
     for name, (group_seed, _, _) in out["groups"].items():
         reference.set_seed(name, group_seed)
     register(reference)
@@ -323,6 +323,7 @@ def semantics(ctx: Ctx) -> dict[str, Any]:
 @program
 def divergence(ctx: Ctx) -> dict[str, Any]:
     """Both ranks run rand((16,)) ops; rank 1 runs one extra randn((16,)) after op 5."""
+    import torch.distributed as dist
     import torch.distributed.tensor as dt
     from torch.distributed.tensor import Replicate as R
 
@@ -331,16 +332,22 @@ def divergence(ctx: Ctx) -> dict[str, Any]:
     mesh = init_mesh((ctx.world,), ("dp",), "cpu")
     tracker = install(mesh, ctx.args["addr"], job=ctx.args["job"], seed=1, lease_size=64)
     extra_after = ctx.args["extra_after"]
-    manager = None
-    for i in range(40):
+    out: dict[str, Any] = {"op": None}
+    # Ops 40..49 run after a barrier: a rank that ran ahead and was granted every lease
+    # before the other's divergent request still meets the recorded divergence there.
+    for i in range(50):
+        if i == 40:
+            dist.barrier()
+        if out["op"] is not None:
+            continue
         try:
             dt.rand((16,), device_mesh=mesh, placements=[R()])
             if ctx.rank == 1 and i == extra_after:
                 dt.randn((16,), device_mesh=mesh, placements=[R()])
         except DivergenceError as e:
             (manager,) = tracker.leases.values()
-            return {"op": i, "cursor": manager.cursor, "message": str(e), "group": manager.group}
-    return {"op": None}
+            out = {"op": i, "cursor": manager.cursor, "message": str(e), "group": manager.group}
+    return out
 
 
 @program
@@ -386,7 +393,7 @@ def restart(ctx: Ctx) -> dict[str, Any]:
     }
     seed = manager.seed
     tracker.close()
-    reference = RNGStateTracker("cpu")
+    reference = RNGStateTracker("cpu", root=mesh)
     reference.set_seed(manager.group, seed)
     register(reference)
     try:
@@ -489,7 +496,7 @@ def shared(ctx: Ctx) -> dict[str, Any]:
     except InvalidRequest as e:
         out["set_seed"] = str(e)
     try:
-        tracker.set_offset("tp:2[0.1]", 0)
+        tracker.set_offset("tp:2[0-3]", 0)
     except InvalidRequest as e:
         out["set_offset"] = str(e)
     tracker.close()
@@ -578,6 +585,7 @@ def fake_device(ctx: Ctx) -> dict[str, Any]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from rngcoord.client import OffsetsExhausted, init_mesh, install
+    from rngcoord.client.tracker import shard_offsets
 
     fake = fake_gpu()
     mesh = init_mesh((2, 2), ("dp", "tp"), "fakegpu")
@@ -610,7 +618,8 @@ def fake_device(ctx: Ctx) -> dict[str, Any]:
             {
                 "name": name,
                 "numel": t.numel(),
-                "offsets": upstream._compute_rng_offsets(t._spec),
+                "offsets": shard_offsets(t._spec),
+                "upstream": upstream._compute_rng_offsets(t._spec),
                 "sets": fake.sets[ctx.rank][before:],
             }
         )
@@ -650,9 +659,10 @@ def fake_device(ctx: Ctx) -> dict[str, Any]:
 def main() -> None:
     mode, name, rank_s, world_s, outdir_s, args_s = sys.argv[1:7]
     world, outdir, args = int(world_s), Path(outdir_s), json.loads(args_s)
+    import parity_programs
     import torch
 
-    fn = PROGRAMS[name]
+    fn = {**PROGRAMS, **parity_programs.PROGRAMS}[name]
     if mode == "gloo":
         rank = int(rank_s)
         out = fn(Ctx(rank, world, outdir, args))

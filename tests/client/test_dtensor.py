@@ -61,11 +61,11 @@ def check_semantics(results: list[dict[str, Any]], prefix: str, address: str) ->
     assert _same(a[2]["bernoulli"], a[3]["bernoulli"])
     assert not _same(a[0]["bernoulli"], a[2]["bernoulli"])
     assert set(torch.cat([x["bernoulli"].flatten() for x in a]).tolist()) == {0.0, 1.0}
-    # Each "tp" sub-mesh is its own group: shards differ within one, and the two sub-meshes
-    # draw from different streams.
+    # The two "tp" sub-meshes are copies along "dp", a replicate dim: one group over all four
+    # ranks, in which dp copies draw the same numbers (as in DTensor) and tp shards differ.
     for op in ("tp_rand", "tp_randn"):
         assert _disjoint(a[0][op], a[1][op]) and _disjoint(a[2][op], a[3][op]), op
-        assert _disjoint(a[0][op], a[2][op]), op
+        assert _same(a[0][op], a[2][op]) and _same(a[1][op], a[3][op]), op
     # Dropout keeps 1/(1-p) or 0.
     for op in ("dropout_rep", "dropout_shard"):
         assert set(a[0][op].flatten().tolist()) == {0.0, 2.0}, op
@@ -74,8 +74,7 @@ def check_semantics(results: list[dict[str, Any]], prefix: str, address: str) ->
     for rank in range(4):
         assert _disjoint(a[rank]["rand_rep"], a[rank]["rand_rep2"])
         cursors = {name: cursor for name, (_, _, cursor) in results[rank]["groups"].items()}
-        tp_group = "tp:2[0.1]" if rank < 2 else "tp:2[2.3]"
-        assert cursors == {"dp:2,tp:2[0-3]": MESH_CURSOR, tp_group: TP_CURSOR}
+        assert cursors == {"dp:2,tp:2[0-3]": MESH_CURSOR, "tp:2[0-3]": TP_CURSOR}
         states = results[rank]["rng_states"]
         assert set(states) == set(cursors)
         for name, state in states.items():
@@ -123,7 +122,7 @@ def check_semantics(results: list[dict[str, Any]], prefix: str, address: str) ->
     with CoordinatorClient(address) as client:
         restores = client.list_audit(kinds=["restore"])
     restored = sorted((r.job, r.group) for r in restores)
-    groups = ["dp:2,tp:2[0-3]", "tp:2[0.1]", "tp:2[2.3]"]
+    groups = ["dp:2,tp:2[0-3]", "tp:2[0-3]"]
     assert restored == sorted((f"{prefix}-{j}", g) for j in ("a", "c") for g in groups)
 
 

@@ -6,7 +6,9 @@ uniform_, normal_, bernoulli_, dropout and rand_like with lease size 32, so ops 
 lease boundaries. Before each op the device must hold (group seed, base + shard start) and
 after it (group seed, base + roundup4(numel)), where the group seed is the coordinator's
 documented derivation from the job's root seed, the bases are the running sum of the ops'
-sizes, and the shard starts are upstream DTensor's own `_compute_rng_offsets`.
+sizes, and the shard starts follow rngcoord's layout (tracker.shard_offsets, checked as a
+property in test_layout.py): upstream DTensor's own `_compute_rng_offsets` where its shards
+cannot overlap, the aligned layout elsewhere.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ pytestmark = pytest.mark.slow
 
 ROOT_SEED = 424242
 GROUP = "dp:2,tp:2[0-3]"
+# The ops (by index) whose shards upstream lays out without overlap: their offsets are kept.
+UPSTREAM_LAYOUT = {0, 3, 5}
 
 
 def group_seed(job_seed: int, group: str) -> int:
@@ -38,12 +42,17 @@ def test_tracker_sets_dtensor_philox_states(coordinator: Any, tmp_path: Path) ->
     for rank, result in enumerate(results):
         assert result["group"] == GROUP and result["job_seed"] == ROOT_SEED
         base = 0
-        for op in result["ops"]:
+        for i, op in enumerate(result["ops"]):
             start, end = op["offsets"]
-            assert end == (op["numel"] + 3) // 4 * 4
+            if i in UPSTREAM_LAYOUT:
+                assert op["offsets"] == op["upstream"]
             assert op["sets"] == [(seed, base + start), (seed, base + end)], (rank, op)
             base += end
-        assert base == 192  # six ops over leases of 32: most span or cross a boundary
+        # Six ops over leases of 32: most span or cross a boundary. normal_ (5, 3), bernoulli_
+        # (6,) and rand_like (3, 7) have shards of 9, 3 and 8 elements that upstream would
+        # overlap: aligned, they end at 24, 8 and 32 instead of 16, 8 and 24.
+        assert [op["offsets"][1] for op in result["ops"]] == [64, 24, 8, 40, 32, 40]
+        assert base == 208
 
         # CUDA's path: _compute_rng_offsets sets (seed, base) and returns DTensor's offsets.
         hop = result["hop"]

@@ -45,9 +45,12 @@ def missing_internals() -> list[str]:
     need(upstream is not None, "torch.distributed.tensor._random.OffsetBasedRNGTracker")
     for attr in ("_compute_rng_offsets", "_distribute_region", "distribute_region_enabled"):
         need(hasattr(upstream, attr), f"OffsetBasedRNGTracker.{attr}")
+    for name in ("_calc_shard_linear_idx", "_calc_shard_info", "_calc_first_shard_size"):
+        need(hasattr(dtensor_random, name), f"torch.distributed.tensor._random.{name}")
+    need(hasattr(dtensor_random, "manual_seed"), "torch.distributed.tensor._random.manual_seed")
     need(
-        hasattr(dtensor_random, "_calc_shard_linear_idx"),
-        "torch.distributed.tensor._random._calc_shard_linear_idx",
+        isinstance(getattr(_dispatch.OpDispatcher(), "_custom_op_handlers", None), dict),
+        "OpDispatcher._custom_op_handlers",
     )
     slow_path = getattr(_dispatch.OpDispatcher, "_dispatch_get_local_results_slow_path", None)
     need(

@@ -1,9 +1,27 @@
 """Groups: which ranks share a random stream, and the names the coordinator knows them by.
 
-By default every distinct DeviceMesh that runs a random op is its own group. A mesh is
-identified by its dimension names, its shape and the global ranks it holds in flattened
-order; a rank joins the group with its position in that order as the group rank. Ranks
-outside a sub-mesh never join its group, so they hold none of its state.
+A mesh is identified by its dimension names, its shape and the global ranks it holds in
+flattened order; a rank joins the group with its position in that order as the group rank.
+The install mesh (the *root*) and every mesh that is not a slice of it are their own groups.
+
+A **sub-mesh** (a slice of the root, such as ``root["tp"]``) has copies along the root's
+other dimensions. As in DTensor, whose one device generator is shared by every copy, the
+copies along *replicate* dimensions draw the same numbers: they form one group, named after
+the sub-mesh's dims and shape and the union of their ranks. Copies along *split* dimensions
+(pipeline stages by default: dims named ``pp*`` or ``pipe*``) run different op sequences, so
+each keeps its own group: they never share numbers, and never trip a false divergence.
+(:func:`stream_group`; docs/design.md §5.4.) Ranks outside a group never join it, and a
+sub-mesh's ops never move another group's cursor.
+
+- dp x tp root ``("dp", "tp")`` = ``[[0, 1], [2, 3]]``: ``root["tp"]`` on rank 2 is ``[2, 3]``;
+  its copy ``[0, 1]`` lies along ``dp``, a replicate dim, so both are the group
+  ``tp:2[0-3]`` and rank 2 draws what rank 0 draws: a TP weight is equal on every dp replica.
+- dp x pp x tp root ``(2, 2, 2)``: ``root["tp"]`` on rank 5 (dp 1, pp 0, tp 1) is ``[4, 5]``; its
+  copies along ``dp`` join it, those along ``pp`` do not: the group is ``tp:2[0.1.4.5]``,
+  and stage pp=1 draws from ``tp:2[2.3.6.7]``.
+- HSDP ``("dp_replicate", "dp_shard", "tp")``: every dim replicates, so ``root["tp"]`` is one
+  group over all 8 ranks and ``root["dp_replicate", "dp_shard"]`` another: FSDP-sharded TP
+  weights match upstream's layout.
 
 Names are readable where they can be and satisfy the contract's name rule
 (:data:`rngcoord.v1.rules.NAME_PATTERN`), falling back to a digest when the readable form is
@@ -13,7 +31,8 @@ too long or has other characters.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import itertools
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
@@ -22,6 +41,8 @@ from rngcoord.v1.rules import NAME_PATTERN
 
 _MAX_NAME = 128
 _SHARED_PREFIX = "all@"
+#: Name prefixes of the root's dims that split sub-mesh streams by default (pipeline stages).
+SPLIT_PREFIXES = ("pp", "pipe")
 
 
 @dataclass(frozen=True)
@@ -100,3 +121,54 @@ def shared_group(mesh: DeviceMesh, global_rank: int) -> GroupSpec:
             _SHARED_PREFIX + "mesh[sha:" + hashlib.sha256(own.name.encode()).hexdigest()[:16] + "]"
         )
     return GroupSpec(name=name, rank=own.rank, world_size=own.world_size)
+
+
+def is_split_dim(name: str | None, split_dims: Collection[str] | None) -> bool:
+    """Whether copies of a sub-mesh along the root dim ``name`` draw separate numbers:
+    ``name`` is in ``split_dims``, or, when that is None, starts with ``pp`` or ``pipe``."""
+    if name is None:
+        return False
+    if split_dims is None:
+        return name.startswith(SPLIT_PREFIXES)
+    return name in split_dims
+
+
+def stream_group(
+    mesh: DeviceMesh,
+    global_rank: int,
+    root: DeviceMesh | None,
+    split_dims: Collection[str] | None = None,
+) -> GroupSpec:
+    """The group whose stream random ops on ``mesh`` draw from, seen by ``global_rank``.
+
+    ``mesh``'s own group unless it is a proper slice of ``root`` with copies along replicate
+    dims (see the module docstring); then the union of those copies.
+
+    Args:
+        mesh: The mesh of the DTensor; must hold ``global_rank``.
+        global_rank: The calling rank.
+        root: The install mesh. None: every mesh is its own group.
+        split_dims: Names of root dims whose copies draw separately. Default None: dims named
+            ``pp*`` or ``pipe*``.
+    """
+    own = mesh_group(mesh, global_rank)
+    if root is None:
+        return own
+    coords = {
+        int(root.mesh[index].item()): index
+        for index in itertools.product(*(range(n) for n in root.mesh.shape))
+    }
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    if len(ranks) == len(coords) or not all(r in coords for r in ranks):
+        return own  # the root itself (perhaps reshaped), or a mesh across roots
+    mine = coords[global_rank]
+    fixed = [d for d in range(root.ndim) if all(coords[r][d] == mine[d] for r in ranks)]
+    if sorted(ranks) != sorted(r for r, c in coords.items() if all(c[d] == mine[d] for d in fixed)):
+        return own  # not a slice: a hand-built mesh of some of the root's ranks
+    names = root.mesh_dim_names or (None,) * root.ndim
+    split = [d for d in fixed if is_split_dim(names[d], split_dims)]
+    union = sorted(r for r, c in coords.items() if all(c[d] == mine[d] for d in split))
+    if len(union) == len(ranks):
+        return own
+    name = group_name(mesh.mesh_dim_names, tuple(mesh.mesh.shape), union)
+    return GroupSpec(name=name, rank=union.index(global_rank), world_size=len(union))

@@ -16,7 +16,7 @@ from rngcoord.client.compat import check_torch
 from rngcoord.client.connection import CoordinatorClient
 from rngcoord.client.devices import device_handle, dispatchable_backend
 from rngcoord.client.errors import InvalidRequest, RNGCoordError, refused
-from rngcoord.client.tracker import OffsetBasedRNGTracker
+from rngcoord.client.tracker import CompiledOps, OffsetBasedRNGTracker
 from rngcoord.v1.rules import RuleViolation, check_name
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,8 @@ def install(
     join_timeout_s: float = 60.0,
     deadline_s: float = 10.0,
     retries: int = 5,
+    split_dims: Sequence[str] | None = None,
+    compiled_random_ops: CompiledOps = "eager",
 ) -> OffsetBasedRNGTracker:
     """Make DTensor random ops on this rank draw from coordinator leases.
 
@@ -63,13 +65,27 @@ def install(
         join_timeout_s: How long a group's join barrier waits for its ranks. Default 60.0.
         deadline_s: Deadline of each RPC attempt. Default 10.0.
         retries: Retries of an RPC on UNAVAILABLE or DEADLINE_EXCEEDED. Default 5.
+        split_dims: Names of ``mesh``'s dims whose sub-mesh copies draw separate numbers,
+            such as pipeline stages. Default ``None``: dims named ``pp*`` or ``pipe*``; the
+            copies of a sub-mesh along every other dim draw the same numbers, as in DTensor
+            (:func:`rngcoord.client.groups.stream_group`).
+        compiled_random_ops: ``"eager"`` (default): under torch.compile each DTensor random
+            op breaks the graph and runs eagerly from the leases, bitwise equal to eager
+            mode; ``"device"``: compiled ops draw from the device generator, outside the
+            leases and the audit (upstream's behaviour).
+
+    While installed, ``torch.distributed.tensor._random.manual_seed(seed, mesh)`` restarts
+    the streams from offset 0 (an audited Restore) if ``seed`` is the job's root seed, and
+    raises otherwise (:meth:`OffsetBasedRNGTracker.manual_seed`); ``torch.manual_seed`` does
+    not touch DTensor draws, which come from the leases.
 
     Returns:
         This rank's tracker; :meth:`OffsetBasedRNGTracker.close` undoes the install.
 
     Raises:
         UnsupportedTorchError: this torch lacks the DTensor internals the tracker needs.
-        InvalidRequest: a missing job name or a bad argument.
+        InvalidRequest: a missing job name, a mesh without the calling rank, or a bad
+            argument.
     """
     check_torch()
     job = job or os.environ.get("RNGCOORD_JOB") or None
@@ -97,6 +113,8 @@ def install(
             shared_stream=shared_stream,
             join_timeout_s=join_timeout_s,
             owns_client=True,
+            split_dims=split_dims,
+            compiled_random_ops=compiled_random_ops,
         )
     except BaseException:
         client.close()

@@ -11,6 +11,19 @@ The router subclasses PyTorch's ``OffsetBasedRNGTracker`` because DTensor's CUDA
 ``isinstance(_rng_tracker, OffsetBasedRNGTracker)``; like the trackers, it never runs the
 upstream ``__init__``. It knows the trackers only through :class:`RankTracker`, so it depends
 on no tracker module.
+
+While a tracker is registered, two more of DTensor's entry points lead to it:
+
+- ``torch.distributed.tensor._random.manual_seed`` is replaced by :func:`manual_seed` (callers
+  that look it up on the module at call time see it; a name imported before install() keeps
+  upstream's function, which only reseeds the device generator, so DTensor draws ignore it).
+- ``exponential_``, ``log_normal_``, ``geometric_`` and ``cauchy_`` are not among DTensor's
+  random ops: DTensor runs them on each local shard with the device generator as it stands,
+  so shards repeat. Adding them to ``OpDispatcher._random_ops`` does not help, because the
+  C++ dispatch fast path keeps its own list (``is_random_op`` in python_variable.cpp) and
+  never reaches the Python slow path for them; ``OpDispatcher._custom_op_handlers`` is
+  consulted first, so :func:`extra_random_op` is registered there and runs them in the
+  tracker's region like any other random op.
 """
 
 from __future__ import annotations
@@ -19,16 +32,27 @@ import contextlib
 import sys
 import threading
 import types
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.tensor._random as dtensor_random
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import Partial
 
 from rngcoord.client.errors import RNGCoordError
 
 _lock = threading.Lock()
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def not_compiled(fn: _F) -> _F:
+    """``torch.compiler.disable`` with its type kept: Dynamo never compiles ``fn`` or what it
+    calls (see the module docstring of rngcoord.client.tracker)."""
+    return cast(_F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
 
 
 class RankTracker(Protocol):
@@ -48,6 +72,10 @@ class RankTracker(Protocol):
 
     def hop_offsets(self, spec: DTensorSpec, caller: types.FrameType | None) -> tuple[int, int]:
         """DTensor's ``_compute_rng_offsets`` (its CUDA ``run_dtensor_rng_op`` path)."""
+        ...
+
+    def manual_seed(self, seed: int, mesh: DeviceMesh) -> None:
+        """DTensor's ``manual_seed(seed, mesh)``."""
         ...
 
 
@@ -83,13 +111,73 @@ class TrackerRouter(dtensor_random.OffsetBasedRNGTracker):
     def distribute_region_enabled(self, value: bool) -> None:
         self.tracker().distribute_region_enabled = value
 
+    # Disabled for Dynamo: after a graph break, DTensor's dispatch runs eagerly from a
+    # resumed frame, and Dynamo would otherwise try to compile the tracker's Python code.
+    @not_compiled
     def _distribute_region(  # type: ignore[override]
         self, spec: DTensorSpec, generator: torch.Generator | None = None
     ) -> contextlib.AbstractContextManager[None]:
         return self.tracker().region(spec, generator, sys._getframe(1))
 
+    @not_compiled
     def _compute_rng_offsets(self, spec: DTensorSpec) -> tuple[int, int]:
         return self.tracker().hop_offsets(spec, sys._getframe(1))
+
+
+_upstream_manual_seed = dtensor_random.manual_seed
+_aten = torch.ops.aten
+#: In-place distributions DTensor does not treat as random ops (see the module docstring).
+EXTRA_RANDOM_OPS = (
+    _aten.exponential_.default,
+    _aten.log_normal_.default,
+    _aten.geometric_.default,
+    _aten.cauchy_.default,
+)
+
+
+def manual_seed(seed: int, device_mesh: DeviceMesh) -> None:
+    """``torch.distributed.tensor._random.manual_seed`` while rngcoord is installed: the
+    calling rank's tracker handles it (an audited restart of its streams with the job's seed;
+    see :meth:`rngcoord.client.OffsetBasedRNGTracker.manual_seed`). Ranks without a tracker
+    get upstream's."""
+    router = dtensor_random._rng_tracker
+    if isinstance(router, TrackerRouter) and dist.get_rank() in router._trackers:
+        router.tracker().manual_seed(seed, device_mesh)
+    else:
+        _upstream_manual_seed(seed, device_mesh)
+
+
+@not_compiled
+def extra_random_op(
+    op_call: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object]
+) -> object:
+    """DTensor's custom handler for :data:`EXTRA_RANDOM_OPS`: fill each local shard inside
+    the calling rank's tracker region, as DTensor's dispatch does for its own random ops."""
+    target = args[0]
+    assert isinstance(target, DTensor)
+    spec = target._spec
+    if any(isinstance(p, Partial) for p in spec.placements):
+        raise RNGCoordError(
+            f"{op_call} on a DTensor with Partial placements {spec.placements}: a random fill "
+            "of a partial sum is ill-defined; redistribute to Shard or Replicate first"
+        )
+    local_kwargs = dict(kwargs)
+    generator = local_kwargs.pop("generator", None)
+    assert generator is None or isinstance(generator, torch.Generator)
+    if not target._local_tensor.is_meta and target.numel() > 0:
+        router = dtensor_random._rng_tracker
+        assert isinstance(router, TrackerRouter)
+        # The tracker reads the op from this frame's local `op_call` (for its fingerprint).
+        with router.tracker().region(spec, generator, sys._getframe()):
+            op_call(target._local_tensor, *args[1:], **local_kwargs)
+    return target
+
+
+def _handlers() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
+    handlers: dict[torch._ops.OpOverload, Callable[..., Any]] = (
+        DTensor._op_dispatcher._custom_op_handlers
+    )
+    return handlers
 
 
 def register(tracker: RankTracker) -> RankTracker | None:
@@ -106,6 +194,8 @@ def register(tracker: RankTracker) -> RankTracker | None:
         if not isinstance(router, TrackerRouter):
             router = TrackerRouter()
             dtensor_random._rng_tracker = router
+            dtensor_random.manual_seed = manual_seed
+            _handlers().update(dict.fromkeys(EXTRA_RANDOM_OPS, extra_random_op))
         previous = router._trackers.get(tracker.rank)
         router._trackers[tracker.rank] = tracker
         return previous if previous is not tracker else None
@@ -121,3 +211,6 @@ def unregister(tracker: RankTracker) -> None:
             del router._trackers[tracker.rank]
         if not router._trackers:
             dtensor_random._rng_tracker = None
+            dtensor_random.manual_seed = _upstream_manual_seed
+            for op in EXTRA_RANDOM_OPS:
+                _handlers().pop(op, None)

@@ -1,11 +1,31 @@
 """RNG state trackers: where each DTensor random op draws from, on one rank.
 
 :class:`RNGStateTracker` keeps named streams of (seed, offset) and applies them to the device
-around each random op, with DTensor's offset semantics: an op's base is its stream's cursor,
-the local shard starts at ``base + roundup4(shard_linear_idx * local_size_on_rank_0)``, and the
-cursor then moves to ``base + roundup4(global numel)`` on every rank (the arithmetic is
-upstream's own ``OffsetBasedRNGTracker._compute_rng_offsets``, cached per DTensorSpec). Its
-streams are local: it is the coordinator-free reference, and what every rank would compute.
+around each random op. An op's base is its stream's cursor; the local shard draws from
+``base + start`` and the cursor then moves to ``base + end`` on every rank, where
+(:func:`shard_offsets`, cached per DTensorSpec; docs/design.md §5.2)
+
+is
+
+- upstream's layout, ``start = roundup4(idx * n0)`` and ``end = roundup4(N)``, whenever its
+  shards cannot overlap: ``n0 % 4 == 0`` and ``k * n0 <= roundup4(N)``. Evenly sharded
+  tensors keep upstream's offsets, so CUDA jobs see what DTensor alone would draw.
+- otherwise the aligned layout, ``start = idx * roundup4(n0)`` and ``end = k * roundup4(n0)``,
+
+with ``N`` the global numel, ``n0`` the numel of the first (largest) shard as upstream's
+``_calc_first_shard_size`` gives it (an upper bound where one tensor dim is sharded on
+several mesh dims), ``k`` the number of distinct shards and ``idx`` this shard's linear index
+(upstream's ``_calc_shard_info`` and ``_calc_shard_linear_idx``). Upstream rounds
+``idx * n0`` up to 4 and so overlaps shards whose numel is not a multiple of 4, and lets the
+last shards run past ``end`` into the next op where ``k * n0 > roundup4(N)``.
+
+Worked example, an (8,) tensor with ``[Shard(0)]`` on 4 ranks: ``n0 = 2``, ``k = 4``,
+``N = 8``. Upstream gives starts 0, 4, 4, 8 and end 8: ranks 1 and 2
+draw the same numbers, and rank 3's (offsets 8..9) are the next op's rank 0's. The aligned
+layout gives starts 0, 4, 8, 12 and end 16: every shard, and every op, draws its own offsets.
+
+The streams of :class:`RNGStateTracker` are local: it is the coordinator-free reference, and
+what every rank would compute.
 
 :class:`OffsetBasedRNGTracker` is the default policy: one stream per group (by default one per
 (sub)mesh), whose seed, epoch and leases come from the coordinator. It subclasses PyTorch's
@@ -23,12 +43,22 @@ How a draw reaches the device:
   ``cpu_key(seed, base + shard start)`` (:mod:`rngcoord.client.devices`) for the op, and the
   user's CPU state is restored afterwards.
 
-torch.compile: the tracker runs when DTensor's dispatch runs, which for a compiled graph is at
-trace time only; offsets computed then are burned into the graph as constants, and the
-compiled graph advances the device generator by itself at run time, as upstream's does. The
-tracker therefore leaves traced ops alone (detected as DTensor detects tracing, and warned
-about once): compiled random ops draw from wherever the device generator stands, outside the
-leases. Audited, lease-backed streams need eager DTensor random ops.
+torch.compile: DTensor's dispatch, and so the tracker, runs when a graph is traced, not when
+it runs. Upstream's compiled graph holds ``run_dtensor_rng_op`` (CUDA) or the plain op with
+the shard offsets burned in as constants, and reads the device generator *at run time*
+(``run_dtensor_rng_op``'s CUDA impl calls ``torch.cuda.get_rng_state()`` and adds the
+constants; functionalised RNG does the same through ``philox_rand``'s seed/offset inputs).
+A graph can therefore never draw from a lease that is granted after it was compiled. So by
+default (``compiled_random_ops="eager"``) the tracker makes Dynamo break the graph at every
+DTensor random op: Dynamo runs each op on fake tensors while it traces
+(``torch.compiler.is_compiling()`` is then true), and the tracker raises Dynamo's
+``Unsupported`` there (``torch._dynamo.exc.unimplemented``). The op then runs eagerly
+between two compiled graphs and draws from its lease: compiled and eager give bitwise-equal
+values and move the cursor alike, on every backend. ``fullgraph=True`` turns the graph break
+into an error that says why. The tracker's own code is ``torch.compiler.disable``d, or Dynamo
+would try to compile the regions it runs eagerly. Other tracing (make_fx, export, a
+FakeTensorMode) is refused, unless ``compiled_random_ops="device"`` opts out: traced ops
+then draw from the device generator as it stands, outside the leases, as upstream's do.
 """
 
 from __future__ import annotations
@@ -36,15 +66,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import struct
 import sys
 import threading
 import types
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -64,8 +95,9 @@ from rngcoord.client.devices import (
     unpack_philox,
 )
 from rngcoord.client.errors import InvalidRequest, RNGCoordError, StoreMismatchError
-from rngcoord.client.groups import GroupSpec, mesh_group, shared_group
+from rngcoord.client.groups import GroupSpec, shared_group, stream_group
 from rngcoord.client.leases import INITIAL_DIGEST, LeaseManager, LeaseSchedule, StreamState
+from rngcoord.client.router import extra_random_op, not_compiled, unregister
 from rngcoord.v1.types import JoinResult
 
 logger = logging.getLogger(__name__)
@@ -79,9 +111,32 @@ _STATE16 = struct.Struct("<QQ")
 # a region holds this lock so that thread-ranks do not interleave their states.
 _GENERATOR_LOCK = threading.RLock()
 
-# DTensor's arithmetic, from an instance that holds no state: upstream's
-# _compute_rng_offsets reads only the spec and self._calc_shard_linear_idx.
-_UPSTREAM_ARITHMETIC = object.__new__(dtensor_random.OffsetBasedRNGTracker)
+#: What a traced (compiled) DTensor random op does: see the module docstring.
+CompiledOps = Literal["eager", "device"]
+
+
+def _roundup4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+def shard_offsets(spec: DTensorSpec) -> tuple[int, int]:
+    """``(start, end)`` of this rank's shard of ``spec``, relative to the op's base: the
+    shard draws from ``base + start``, and the stream's cursor moves to ``base + end``.
+
+    Upstream's layout where it cannot overlap, else the aligned one; see the module
+    docstring for the rule and a worked example. The calling rank must be in the mesh.
+    """
+    coordinate = spec.mesh.get_coordinate()
+    assert coordinate is not None
+    idx_by_dim, count_by_dim = dtensor_random._calc_shard_info(coordinate, spec)
+    idx = int(dtensor_random._calc_shard_linear_idx(idx_by_dim, count_by_dim))
+    shards = math.prod(int(c) for c in count_by_dim)
+    first = math.prod(dtensor_random._calc_first_shard_size(spec))
+    total = _roundup4(math.prod(spec.shape))
+    if first % 4 == 0 and shards * first <= total:
+        return idx * first, total
+    stride = _roundup4(first)
+    return idx * stride, shards * stride
 
 
 class _Stream(Protocol):
@@ -180,16 +235,23 @@ def _init_helper_code() -> types.CodeType | None:
 _CALLERS: dict[types.CodeType | None, str] = {
     _dispatch_code(): "op_call",
     _init_helper_code(): "init_op",
+    # Wrapped by torch.compiler.disable; the frame that calls the tracker is the inner one.
+    getattr(extra_random_op, "__wrapped__", extra_random_op).__code__: "op_call",
 }
 _CALLERS.pop(None, None)
 
 
 def _caller_op(frame: types.FrameType | None) -> object | None:
-    """The random op that DTensor is running, read from the frame that called the tracker."""
-    if frame is None:
-        return None
-    local = _CALLERS.get(frame.f_code)
-    return frame.f_locals.get(local) if local is not None else None
+    """The random op that DTensor is running, read from the frame that called the tracker
+    or one of the few above it (torch.compiler.disable puts its wrapper in between)."""
+    for _ in range(4):
+        if frame is None:
+            return None
+        local = _CALLERS.get(frame.f_code)
+        if local is not None:
+            return frame.f_locals.get(local)
+        frame = frame.f_back
+    return None
 
 
 class _CPURegion:
@@ -202,12 +264,14 @@ class _CPURegion:
         self._writer = writer
         self._key = key
 
+    @not_compiled
     def __enter__(self) -> None:
         _GENERATOR_LOCK.acquire()
         generator = torch.default_generator
         self._saved = generator.get_state()
         generator.set_state(self._writer.write(self._key))
 
+    @not_compiled
     def __exit__(self, *exc: object) -> None:
         try:
             torch.default_generator.set_state(self._saved)
@@ -229,12 +293,14 @@ class _PhiloxRegion:
         # Upstream switches Gaudi's generator to its Philox context around the op.
         self._hpu = tracker.device_type == "hpu"
 
+    @not_compiled
     def __enter__(self) -> None:
         _GENERATOR_LOCK.acquire()
         if self._hpu:
             self._tracker._handle_or_raise().set_rng_ctx("philox")  # type: ignore[attr-defined]
         self._tracker._set_philox(self._seed, self._offset)
 
+    @not_compiled
     def __exit__(self, *exc: object) -> None:
         try:
             self._tracker._set_philox(self._seed, self._post)
@@ -257,10 +323,33 @@ class RNGStateTracker:
         device_type: The device of the DTensors' local shards: ``"cpu"`` (default),
             ``"cuda"``, or a cuda-like device with a ``torch.<device_type>`` module.
         rank: This rank's global rank. Default ``None``: ``torch.distributed.get_rank()``.
+        root: The job's root mesh, whose sub-meshes' copies share streams along replicate
+            dims (:func:`rngcoord.client.groups.stream_group`). Default ``None``: every mesh
+            is its own stream.
+        split_dims: Names of ``root``'s dims whose sub-mesh copies draw separately. Default
+            ``None``: dims named ``pp*`` or ``pipe*``.
+        compiled_random_ops: ``"eager"`` (default): a DTensor random op under torch.compile
+            breaks the graph and runs eagerly from the streams, and other tracing is refused;
+            ``"device"``: traced ops draw from the device generator as it stands (upstream's
+            behaviour), outside the streams. See the module docstring.
     """
 
-    def __init__(self, device_type: str = "cpu", rank: int | None = None) -> None:
+    def __init__(
+        self,
+        device_type: str = "cpu",
+        rank: int | None = None,
+        root: DeviceMesh | None = None,
+        split_dims: Sequence[str] | None = None,
+        compiled_random_ops: CompiledOps = "eager",
+    ) -> None:
+        if compiled_random_ops not in ("eager", "device"):
+            raise InvalidRequest(
+                f'compiled_random_ops must be "eager" or "device", got {compiled_random_ops!r}'
+            )
         self.device_type = device_type
+        self.compiled_random_ops = compiled_random_ops
+        self.root = root
+        self.split_dims = None if split_dims is None else tuple(split_dims)
         self.rank = dist.get_rank() if rank is None else rank
         handle = device_handle(device_type)
         if handle is None and device_type != "cpu":
@@ -337,6 +426,16 @@ class RNGStateTracker:
         assert isinstance(stream, LocalStream)
         stream.cursor = offset
 
+    def manual_seed(self, seed: int, mesh: DeviceMesh) -> None:
+        """DTensor's ``manual_seed(seed, mesh)``: every stream of this rank starts over from
+        offset 0 with ``seed``, as every DTensor draw does after upstream's
+        ``torch.manual_seed``. The calling rank must be in ``mesh``."""
+        _check_in_mesh(mesh, self.rank, "manual_seed")
+        if not 0 <= seed < 1 << 64:
+            raise InvalidRequest(f"seed must be a uint64, got {seed}")
+        for tag in self._streams:
+            self._streams[tag] = LocalStream(seed)
+
     def state_dict(self) -> dict[str, Any]:
         """The streams' positions: ``{"format", "streams": {tag: {"seed", "offset",
         "digest"}}}``. Plain Python values, for ``torch.save`` or DCP."""
@@ -384,7 +483,7 @@ class RNGStateTracker:
             # DTensor's dispatch checks this flag itself; its factories (rand, randn) do not.
             return contextlib.nullcontext()
         if _are_we_tracing():
-            _warn_tracing_once()
+            self._traced()
             return contextlib.nullcontext()
         plan = self._plans.get(spec) or self._plan(spec)
         stream = plan.stream
@@ -399,6 +498,22 @@ class RNGStateTracker:
         base = stream.advance(plan.end, self._op_key(plan, caller))
         return _PhiloxRegion(self, stream.seed, base + plan.start, base + plan.end)
 
+    def _traced(self) -> None:
+        """A DTensor random op is being traced: break Dynamo's graph so that the op runs
+        eagerly, or refuse other tracing, unless ``compiled_random_ops`` is ``"device"``."""
+        if self.compiled_random_ops == "device":
+            _warn_tracing_once()
+        elif torch.compiler.is_compiling():
+            _break_graph()
+        else:
+            raise RNGCoordError(
+                "a DTensor random op is being traced outside torch.compile (make_fx, export "
+                "or a FakeTensorMode): a traced graph reads the device generator when it runs "
+                "and cannot draw from the coordinator's leases. Run the op eagerly or under "
+                "torch.compile (which breaks the graph there), or pass "
+                'compiled_random_ops="device" to install() to draw outside the leases'
+            )
+
     def _compute_rng_offsets(self, spec: DTensorSpec) -> tuple[int, int]:
         """DTensor's CUDA path: account the op and set the device generator to
         ``(seed, base)``; ``run_dtensor_rng_op`` then runs the op at ``base + start`` and
@@ -410,7 +525,7 @@ class RNGStateTracker:
         if plan.stream is None:
             raise RNGCoordError(f"rank {self.rank} is not part of the mesh of {spec}")
         if _are_we_tracing():
-            _warn_tracing_once()
+            self._traced()
             return plan.start, plan.end
         stream = plan.stream
         check_philox_offset(stream.cursor + plan.end)
@@ -426,9 +541,9 @@ class RNGStateTracker:
         if spec.mesh.get_coordinate() is None:
             plan = _Plan(None, 0, 0, "", {})
         else:
-            start, end = _UPSTREAM_ARITHMETIC._compute_rng_offsets(spec)
+            start, end = shard_offsets(spec)
             stream = self._stream_for(spec.mesh)
-            plan = _Plan(stream, int(start), int(end), str(tuple(spec.shape)), {})
+            plan = _Plan(stream, start, end, str(tuple(spec.shape)), {})
         self._plans[spec] = plan
         return plan
 
@@ -437,7 +552,7 @@ class RNGStateTracker:
         return self._stream(self._group_of(mesh).name)
 
     def _group_of(self, mesh: DeviceMesh) -> GroupSpec:
-        return mesh_group(mesh, self.rank)
+        return stream_group(mesh, self.rank, self.root, self.split_dims)
 
     @staticmethod
     def _op_key(plan: _Plan, caller: types.FrameType | None) -> bytes:
@@ -486,6 +601,7 @@ class _UserPhiloxRegion:
         self._start = start
         self._end = end
 
+    @not_compiled
     def __enter__(self) -> None:
         _GENERATOR_LOCK.acquire()
         handle = self._tracker._handle_or_raise()
@@ -496,6 +612,7 @@ class _UserPhiloxRegion:
             torch.frombuffer(bytearray(pack_philox(seed, offset + self._start)), dtype=torch.uint8)
         )
 
+    @not_compiled
     def __exit__(self, *exc: object) -> None:
         try:
             handle = self._tracker._handle_or_raise()
@@ -510,6 +627,25 @@ class _UserPhiloxRegion:
             _GENERATOR_LOCK.release()
 
 
+@not_compiled
+def _break_graph() -> None:
+    # Dynamo turns Unsupported raised while it runs an op on fake tensors into a graph break
+    # before the op (or, with fullgraph=True, into an error carrying this explanation).
+    torch._dynamo.exc.unimplemented(
+        gb_type="rngcoord: DTensor random op",
+        context="",
+        explanation=(
+            "rngcoord runs DTensor random ops eagerly, between compiled graphs, so that they "
+            "draw from the coordinator's leases: a compiled graph reads the device generator "
+            "when it runs, outside the leases"
+        ),
+        hints=[
+            'Drop fullgraph=True, or pass compiled_random_ops="device" to '
+            "rngcoord.client.install() to let compiled random ops draw outside the leases.",
+        ],
+    )
+
+
 _tracing_warned = False
 
 
@@ -518,10 +654,18 @@ def _warn_tracing_once() -> None:
     if not _tracing_warned:
         _tracing_warned = True
         logger.warning(
-            "rngcoord: a DTensor random op is being traced (torch.compile, make_fx or fake "
-            "tensors); traced random ops draw from the device generator as it stands, outside "
-            "the coordinator's leases. Run DTensor random ops eagerly for lease-backed, "
-            "audited streams."
+            "rngcoord: a DTensor random op is being traced with compiled_random_ops="
+            '"device": traced random ops draw from the device generator as it stands, '
+            "outside the coordinator's leases and the audit"
+        )
+
+
+def _check_in_mesh(mesh: DeviceMesh, rank: int, what: str) -> None:
+    if mesh.get_coordinate() is None:
+        # Upstream's manual_seed raises RuntimeError with this text; keep it matchable.
+        raise InvalidRequest(
+            f"{what} requires the current rank to be a part of the device mesh: rank {rank} "
+            f"is not in {mesh}"
         )
 
 
@@ -597,6 +741,12 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         join_timeout_s: How long a JoinGroup barrier waits for the mesh's other ranks.
             Default 60.0.
         owns_client: Close ``client`` in :meth:`close`. Default ``False``.
+        split_dims: Names of ``device_mesh``'s dims whose sub-mesh copies draw separate
+            numbers (:func:`rngcoord.client.groups.stream_group`). Default ``None``: dims
+            named ``pp*`` or ``pipe*``; every other dim replicates, as in DTensor.
+        compiled_random_ops: What a DTensor random op under torch.compile does. Default
+            ``"eager"``: it breaks the graph and draws from the leases. See
+            :class:`RNGStateTracker`.
     """
 
     def __init__(
@@ -609,10 +759,19 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         shared_stream: bool = False,
         join_timeout_s: float = 60.0,
         owns_client: bool = False,
+        split_dims: Sequence[str] | None = None,
+        compiled_random_ops: CompiledOps = "eager",
     ) -> None:
         # Upstream's __init__ is deliberately not called: it raises on CPU meshes and
         # broadcasts rank 0's device state, which the coordinator makes unnecessary.
-        RNGStateTracker.__init__(self, device_mesh.device_type)
+        RNGStateTracker.__init__(
+            self,
+            device_mesh.device_type,
+            root=device_mesh,
+            split_dims=split_dims,
+            compiled_random_ops=compiled_random_ops,
+        )
+        _check_in_mesh(device_mesh, self.rank, "install()")
         if seed is not None and not 0 <= seed < 1 << 64:
             raise InvalidRequest(f"seed must be a uint64, got {seed}")
         # A bad size fails here, at install(), not at the first random op. Offsets past 2^63
@@ -654,7 +813,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
                     "install() with the job's root mesh"
                 )
             return self._shared
-        return mesh_group(mesh, self.rank)
+        return super()._group_of(mesh)
 
     def _stream_for(self, mesh: DeviceMesh) -> _Stream:
         group = self._group_of(mesh)
@@ -718,6 +877,37 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
                 "load_state_dict()"
             )
         manager.restore(offset, manager.digest)
+
+    def manual_seed(self, seed: int, mesh: DeviceMesh) -> None:
+        """DTensor's ``manual_seed(seed, mesh)`` (rngcoord.client.install routes it here).
+
+        With the job's root seed, every group this rank has joined goes back to the start of
+        its stream, offset 0, through an audited Restore: the draws that follow repeat those
+        of a fresh job with this seed, as upstream's ``manual_seed`` reproduces them. Every
+        rank of those groups must call it at the same point, as upstream requires. Before any
+        group is joined, an unset root seed becomes ``seed``.
+
+        Raises:
+            InvalidRequest: the rank is not in ``mesh``, or ``seed`` is not the job's root
+                seed: group seeds derive from it, so choose it with ``install(seed=...)``,
+                and resume a stream with ``load_state_dict``.
+        """
+        _check_in_mesh(mesh, self.rank, "manual_seed")
+        if self._job_seed is None and not self._managers:
+            if not 0 <= seed < 1 << 64:
+                raise InvalidRequest(f"seed must be a uint64, got {seed}")
+            self._job_seed = seed
+            return
+        if seed != self._job_seed:
+            raise InvalidRequest(
+                f"manual_seed({seed}) on job {self.job!r}, whose root seed is {self._job_seed}: "
+                "rngcoord derives every group's seed from the job's root seed, so pass "
+                "install(seed=...) to choose it, and use load_state_dict() to continue a saved "
+                "stream; manual_seed with the root seed restarts the streams from offset 0"
+            )
+        for manager in self._managers.values():
+            manager.restore(0, INITIAL_DIGEST)
+        self._plans.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """The position of every group: ``{"format", "job", "job_seed", "store_id",
@@ -786,8 +976,6 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
     def close(self) -> None:
         """Leave every joined group, stop the prefetch threads, unregister from DTensor and
         close the client if this tracker owns it."""
-        from rngcoord.client.router import unregister
-
         unregister(self)
         errors = []
         for manager in self._managers.values():
