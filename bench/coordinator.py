@@ -344,6 +344,7 @@ class NoopCoordinator(pb_grpc.CoordinatorServicer):
     GetGroup = pb_grpc.CoordinatorServicer.GetGroup
     Restore = pb_grpc.CoordinatorServicer.Restore
     ListAudit = pb_grpc.CoordinatorServicer.ListAudit
+    Attest = pb_grpc.CoordinatorServicer.Attest
 
     async def JoinGroup(
         self, request: pb.JoinGroupRequest, context: object

@@ -351,6 +351,34 @@ def divergence(ctx: Ctx) -> dict[str, Any]:
 
 
 @program
+def attested_divergence(ctx: Ctx) -> dict[str, Any]:
+    """Default lease sizes, rand((16,)) ops: the first lease alone holds 4,096 of them. Rank 1
+    runs one extra randn((16,)) after op 100; attestations must catch it."""
+    import torch.distributed as dist
+    import torch.distributed.tensor as dt
+    from torch.distributed.tensor import Replicate as R
+
+    from rngcoord.client import DivergenceError, init_mesh, install
+
+    mesh = init_mesh((ctx.world,), ("dp",), "cpu")
+    tracker = install(mesh, ctx.args["addr"], job=ctx.args["job"], seed=3)
+    out: dict[str, Any] = {"op": None}
+    for i in range(3000):
+        if i == 2500:
+            dist.barrier()  # both ranks are past every attestation that could catch it
+        if out["op"] is not None:
+            continue
+        try:
+            dt.rand((16,), device_mesh=mesh, placements=[R()])
+            if ctx.rank == 1 and i == 100:
+                dt.randn((16,), device_mesh=mesh, placements=[R()])
+        except DivergenceError as e:
+            (manager,) = tracker.leases.values()
+            out = {"op": i, "message": str(e), "stats": vars(manager.stats).copy()}
+    return out
+
+
+@program
 def restart(ctx: Ctx) -> dict[str, Any]:
     """rand((16,)) ops in three phases; between them the test kills, then restarts, the
     coordinator. Lease size 256: lease 0 is current and lease 1 has arrived when it dies."""

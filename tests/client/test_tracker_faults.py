@@ -28,6 +28,7 @@ from programs import run_threads, run_threads_async, start_gloo, wait_file
 
 from harness import CoordinatorProcess, run_cli
 from rngcoord.client import CoordinatorClient
+from rngcoord.v1.rules import ATTEST_EVERY
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +65,26 @@ def test_extra_op_is_reported_within_one_lease(coordinator: Any, tmp_path: Path)
     with CoordinatorClient(coordinator.address) as client:
         records = client.list_audit(job="div", kinds=["divergence"])
     assert len(records) == 1 and records[0].group == group
+
+
+def test_extra_op_is_caught_within_1024_ops_with_default_leases(
+    coordinator: Any, tmp_path: Path
+) -> None:
+    """One lease holds all 3,000 ops here, so lease requests alone would never see the extra
+    op: the attestation at 1,024 ops does, for the rank that attests second at once and for
+    the first at its next attestation (2,048)."""
+    results = run_threads("attested_divergence", 2, tmp_path, addr=coordinator.address, job="att")
+    for rank, result in enumerate(results):
+        assert result["op"] is not None, f"rank {rank} never saw the divergence"
+        assert result["op"] < 2 * ATTEST_EVERY + 64, result["op"]
+        assert "after 1024 random ops" in result["message"]
+        assert result["stats"]["reserves"] <= 2  # the first lease and its prefetch
+    # The later attester raises with its next ops, not 1,024 ops later.
+    assert min(r["op"] for r in results) < ATTEST_EVERY + 64
+    with CoordinatorClient(coordinator.address) as client:
+        (record,) = client.list_audit(job="att", kinds=["divergence"])
+    assert record.detail["ops"] == ATTEST_EVERY and record.detail["anchor_seq"] == 0
+    assert {record.detail["rank"], record.detail["attested_rank"]} == {0, 1}
 
 
 def test_job_outlives_a_coordinator_restart(coordinator: Any, tmp_path: Path) -> None:

@@ -120,7 +120,12 @@ def test_migrations_apply_once(tmp_path: Path) -> None:
     SqliteStore(path, create=True).close()
     store = SqliteStore(path)
     rows = store.read(lambda tx: tx.fetchall("SELECT version, name FROM schema_version"))
-    assert rows == [(1, "001_initial"), (2, "002_members_by_rank"), (3, "003_integrity")]
+    assert rows == [
+        (1, "001_initial"),
+        (2, "002_members_by_rank"),
+        (3, "003_integrity"),
+        (4, "004_attestations"),
+    ]
     head = store.read(lambda tx: tx.fetchone("SELECT last_id, last_hash FROM audit_head"))
     assert head == (0, "0" * 64)
     store.close()

@@ -374,6 +374,36 @@ class CoordinatorClient:
         self._note_head(call, f"Reserve of group {group!r} at {self._targets[self._current]}")
         return Lease.from_pb(reply)
 
+    def attest(
+        self,
+        job: str,
+        group: str,
+        *,
+        epoch: int,
+        anchor_seq: int,
+        ops: int,
+        fingerprint: bytes,
+        rank: int,
+        member_id: str,
+    ) -> None:
+        """Attest this member's op fingerprint after ``ops`` random ops since the anchor
+        ``anchor_seq``; raises DivergenceError if another member attested other bytes."""
+        request = pb.AttestRequest(
+            job=job,
+            group=group,
+            epoch=epoch,
+            anchor_seq=anchor_seq,
+            ops=ops,
+            fingerprint=fingerprint,
+            rank=rank,
+            member_id=member_id,
+        )
+        self._call(
+            "Attest",
+            lambda s, d, m: s.Attest(request, timeout=d, metadata=m),
+            self.deadline_s,
+        )
+
     def leave_group(self, job: str, group: str, *, epoch: int, rank: int, member_id: str) -> None:
         """Record that this member leaves ``group``'s epoch."""
         request = pb.LeaveGroupRequest(

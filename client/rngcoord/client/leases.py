@@ -46,6 +46,14 @@ that caused it: a SHA-256 chain over (op name, global shape), truncated to 16 by
 ran different random ops send different fingerprints (or sizes) for the same lease, and the
 coordinator reports the divergence.
 
+Fingerprints in requests catch a divergence within one lease, and a lease may hold many ops.
+So every :data:`~rngcoord.v1.rules.ATTEST_EVERY` (1,024) ops since the anchor, each rank also
+*attests* its fingerprint (an Attest RPC, sent by the background thread: the op does not
+wait). The coordinator keeps the first attestation of each count and reports a divergence
+to the rank whose bytes differ, and to the others at their next attestation or request:
+ranks that ran different ops are caught within 1,024 ops (2,048 for the first to attest),
+whatever the lease sizes, and so are ``shared_stream`` skews.
+
 One background thread per manager sends the Reserve RPCs in seq order (the coordinator grants
 lease ``k`` only after ``k - 1``). An op blocks only on a lease it needs that has not arrived.
 A transient failure (:class:`CoordinatorUnavailable`) of a prefetch is retried when the lease is
@@ -70,7 +78,7 @@ from rngcoord.client.errors import (
     RNGCoordError,
     refused,
 )
-from rngcoord.v1.rules import MAX_OFFSET, RuleViolation, check_cursor, check_size
+from rngcoord.v1.rules import ATTEST_EVERY, MAX_OFFSET, RuleViolation, check_cursor, check_size
 from rngcoord.v1.types import JoinResult, Lease
 
 __all__ = [
@@ -172,6 +180,13 @@ class _Request:
     generation: int
 
 
+@dataclass(frozen=True)
+class _Attestation:
+    anchor_seq: int
+    ops: int
+    fingerprint: bytes
+
+
 @dataclass
 class LeaseStats:
     """Counters of one manager.
@@ -180,11 +195,15 @@ class LeaseStats:
         reserves: Reserve RPCs sent (all in the background thread).
         received: Leases received.
         stalls: Ops that waited for a lease that had not arrived.
+        attestations: Attest RPCs sent (every 1,024 ops, in the background thread).
+        attest_failures: Attestations lost to an unreachable coordinator or a new epoch.
     """
 
     reserves: int = 0
     received: int = 0
     stalls: int = 0
+    attestations: int = 0
+    attest_failures: int = 0
 
 
 class LeaseManager:
@@ -228,7 +247,7 @@ class LeaseManager:
         self.seed = joined.seed
         self.schedule = schedule if schedule is not None else LeaseSchedule()
         self.stats = LeaseStats()
-        self._queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Request | _Attestation | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._futures: dict[int, Future[Lease]] = {}
         self._requests: dict[int, _Request] = {}
@@ -243,6 +262,8 @@ class LeaseManager:
         self._verified = -1  # every lease up to this seq has arrived and was checked
         self._limit = 0  # the end of lease _verified: ops ending at or before it are covered
         self._origin = joined.start
+        self._anchor_seq = 0
+        self._ops = 0  # random ops since the anchor
         self._largest_op = 0
         self._cursor = joined.start
         self._digest = INITIAL_DIGEST
@@ -288,6 +309,9 @@ class LeaseManager:
         self._digest = digest
         self._largest_op = largest
         self._recent.append(op_key)
+        self._ops += 1
+        if self._ops % ATTEST_EVERY == 0:
+            self._queue.put(_Attestation(self._anchor_seq, self._ops, digest[:FINGERPRINT_BYTES]))
         return base
 
     def _seq_containing(self, offset: int) -> int:
@@ -396,6 +420,9 @@ class LeaseManager:
 
     def _run(self) -> None:
         while (request := self._queue.get()) is not None:
+            if isinstance(request, _Attestation):
+                self._attest(request)
+                continue
             if request.generation != self._generation and not request.future.done():
                 request.future.cancel()
                 continue
@@ -430,10 +457,32 @@ class LeaseManager:
                 self.stats.received += 1
                 request.future.set_result(lease)
 
+    def _attest(self, attestation: _Attestation) -> None:
+        try:
+            self.stats.attestations += 1
+            self._client.attest(
+                self.job,
+                self.group,
+                epoch=self.epoch,
+                anchor_seq=attestation.anchor_seq,
+                ops=attestation.ops,
+                fingerprint=attestation.fingerprint,
+                rank=self.rank,
+                member_id=self.member_id,
+            )
+        except DivergenceError as e:
+            self._fail(e)
+        except RNGCoordError:
+            # Best effort: an unreachable coordinator or a new epoch shows up in the next
+            # lease request, which is not optional.
+            self.stats.attest_failures += 1
+
     # -- anchors: epoch start and Restore -------------------------------------------------
 
     def _anchor(self, seq: int, cursor: int, digest: bytes) -> None:
         """Start the stream at ``cursor`` with lease ``seq``, and request that lease."""
+        self._anchor_seq = seq
+        self._ops = 0
         self._first_seq = seq
         self._starts = []
         self._next_start = cursor

@@ -368,6 +368,65 @@ class ReserveRequest(_message.Message):
 Global___ReserveRequest: _TypeAlias = ReserveRequest  # noqa: Y015
 
 @_typing.final
+class AttestRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    ANCHOR_SEQ_FIELD_NUMBER: _builtins.int
+    OPS_FIELD_NUMBER: _builtins.int
+    FINGERPRINT_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    MEMBER_ID_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    group: _builtins.str
+    epoch: _builtins.int
+    """The caller's epoch; a stale epoch is refused (fencing)."""
+    anchor_seq: _builtins.int
+    """The lease seq of the stream's anchor: 0 at the epoch's start, the Restore's seq after one."""
+    ops: _builtins.int
+    """How many random ops the caller ran since the anchor; a positive multiple of 1,024."""
+    fingerprint: _builtins.bytes
+    """The fingerprint of those ops (as in ReserveRequest), 1 to 64 bytes."""
+    rank: _builtins.int
+    member_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        group: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        anchor_seq: _builtins.int = ...,
+        ops: _builtins.int = ...,
+        fingerprint: _builtins.bytes = ...,
+        rank: _builtins.int = ...,
+        member_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["anchor_seq", b"anchor_seq", "epoch", b"epoch", "fingerprint", b"fingerprint", "group", b"group", "job", b"job", "member_id", b"member_id", "ops", b"ops", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AttestRequest: _TypeAlias = AttestRequest  # noqa: Y015
+
+@_typing.final
+class AttestResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AttestResponse: _TypeAlias = AttestResponse  # noqa: Y015
+
+@_typing.final
 class Lease(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

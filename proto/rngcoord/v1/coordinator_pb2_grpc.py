@@ -65,6 +65,11 @@ class CoordinatorStub:
                 request_serializer=rngcoord_dot_v1_dot_coordinator__pb2.ListAuditRequest.SerializeToString,
                 response_deserializer=rngcoord_dot_v1_dot_coordinator__pb2.AuditRecord.FromString,
                 _registered_method=True)
+        self.Attest = channel.unary_unary(
+                '/rngcoord.v1.Coordinator/Attest',
+                request_serializer=rngcoord_dot_v1_dot_coordinator__pb2.AttestRequest.SerializeToString,
+                response_deserializer=rngcoord_dot_v1_dot_coordinator__pb2.AttestResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -123,6 +128,17 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attest(self, request, context):
+        """Attest records the fingerprint of a member's random ops at an op count (every 1,024 ops
+        since the stream's anchor, the epoch's start or its latest Restore). The first attestation
+        of a count stands; a member that attests other bytes for it makes the epoch diverged
+        (DIVERGENCE, audited), so divergence is caught within a bounded number of ops whatever
+        the lease size. A diverged epoch refuses every later Attest and Reserve.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +171,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ListAudit,
                     request_deserializer=rngcoord_dot_v1_dot_coordinator__pb2.ListAuditRequest.FromString,
                     response_serializer=rngcoord_dot_v1_dot_coordinator__pb2.AuditRecord.SerializeToString,
+            ),
+            'Attest': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attest,
+                    request_deserializer=rngcoord_dot_v1_dot_coordinator__pb2.AttestRequest.FromString,
+                    response_serializer=rngcoord_dot_v1_dot_coordinator__pb2.AttestResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -320,6 +341,33 @@ class Coordinator:
             '/rngcoord.v1.Coordinator/ListAudit',
             rngcoord_dot_v1_dot_coordinator__pb2.ListAuditRequest.SerializeToString,
             rngcoord_dot_v1_dot_coordinator__pb2.AuditRecord.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rngcoord.v1.Coordinator/Attest',
+            rngcoord_dot_v1_dot_coordinator__pb2.AttestRequest.SerializeToString,
+            rngcoord_dot_v1_dot_coordinator__pb2.AttestResponse.FromString,
             options,
             channel_credentials,
             insecure,

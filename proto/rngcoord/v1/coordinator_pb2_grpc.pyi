@@ -96,6 +96,13 @@ class CoordinatorStub:
     """
     ListAudit: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.ListAuditRequest, _coordinator_pb2.AuditRecord]
     """ListAudit streams audit records in chain order, oldest first."""
+    Attest: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AttestRequest, _coordinator_pb2.AttestResponse]
+    """Attest records the fingerprint of a member's random ops at an op count (every 1,024 ops
+    since the stream's anchor, the epoch's start or its latest Restore). The first attestation
+    of a count stands; a member that attests other bytes for it makes the epoch diverged
+    (DIVERGENCE, audited), so divergence is caught within a bounded number of ops whatever
+    the lease size. A diverged epoch refuses every later Attest and Reserve.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -128,6 +135,13 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """
     ListAudit: _aio.UnaryStreamMultiCallable[_coordinator_pb2.ListAuditRequest, _coordinator_pb2.AuditRecord]  # type: ignore[assignment]
     """ListAudit streams audit records in chain order, oldest first."""
+    Attest: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AttestRequest, _coordinator_pb2.AttestResponse]  # type: ignore[assignment]
+    """Attest records the fingerprint of a member's random ops at an op count (every 1,024 ops
+    since the stream's anchor, the epoch's start or its latest Restore). The first attestation
+    of a count stands; a member that attests other bytes for it makes the epoch diverged
+    (DIVERGENCE, audited), so divergence is caught within a bounded number of ops whatever
+    the lease size. A diverged epoch refuses every later Attest and Reserve.
+    """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     """Coordinator grants seeds, epochs and offset leases."""
@@ -193,5 +207,18 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_coordinator_pb2.AuditRecord], _abc.AsyncIterator[_coordinator_pb2.AuditRecord]]:
         """ListAudit streams audit records in chain order, oldest first."""
+
+    @_abc_1.abstractmethod
+    def Attest(
+        self,
+        request: _coordinator_pb2.AttestRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.AttestResponse, _abc.Awaitable[_coordinator_pb2.AttestResponse]]:
+        """Attest records the fingerprint of a member's random ops at an op count (every 1,024 ops
+        since the stream's anchor, the epoch's start or its latest Restore). The first attestation
+        of a count stands; a member that attests other bytes for it makes the epoch diverged
+        (DIVERGENCE, audited), so divergence is caught within a bounded number of ops whatever
+        the lease size. A diverged epoch refuses every later Attest and Reserve.
+        """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -16,6 +16,7 @@ import re
 from typing import Final
 
 __all__ = [
+    "ATTEST_EVERY",
     "DOMAIN",
     "MAX_FINGERPRINT",
     "MAX_OFFSET",
@@ -25,6 +26,7 @@ __all__ = [
     "NAME_PATTERN",
     "U64_LIMIT",
     "RuleViolation",
+    "check_attested_ops",
     "check_cursor",
     "check_fingerprint",
     "check_member_id",
@@ -153,6 +155,17 @@ def check_cursor(value: int, field: str = "cursor") -> int:
     """A stream position: a multiple of 4 in [0, 2^64 - 4]."""
     if not isinstance(value, int) or not 0 <= value <= MAX_OFFSET or value % 4:
         raise RuleViolation(field, value, "be a multiple of 4 in [0, 2^64 - 4]")
+    return value
+
+
+#: Members attest their op fingerprint every this many random ops (AttestRequest.ops).
+ATTEST_EVERY: Final = 1024
+
+
+def check_attested_ops(value: int) -> int:
+    """An attested op count: a positive multiple of :data:`ATTEST_EVERY` below 2^63."""
+    if not isinstance(value, int) or not 0 < value <= MAX_SEQ or value % ATTEST_EVERY:
+        raise RuleViolation("ops", value, f"be a positive multiple of {ATTEST_EVERY} below 2^63")
     return value
 
 

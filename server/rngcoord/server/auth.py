@@ -10,7 +10,8 @@ separated by whitespace; blank lines and lines starting with `#` are ignored:
 
 - NAME names the identity in audit records and logs (never the token).
 - ROLE is one of:
-  - `member`: JoinGroup, Reserve, LeaveGroup, Restore (not forced), GetGroup and ListAudit;
+  - `member`: JoinGroup, Reserve, Attest, LeaveGroup, Restore (not forced), GetGroup and
+    ListAudit;
   - `auditor`: GetGroup and ListAudit only;
   - `admin`: everything, including a forced Restore.
 - JOBS is a comma-separated list of job patterns (`fnmatch`: `*`, `?`, `[...]`); a request is
@@ -39,7 +40,7 @@ __all__ = ["ROLES", "Identity", "TokenTable", "load_tokens"]
 
 ROLES = ("member", "auditor", "admin")
 
-WRITES = frozenset({"JoinGroup", "Reserve", "LeaveGroup", "Restore"})
+WRITES = frozenset({"JoinGroup", "Reserve", "Attest", "LeaveGroup", "Restore"})
 """The methods that change state: members and admins only."""
 
 _PATTERN = re.compile(r"^[A-Za-z0-9_.:\-*?\[\]!]{1,128}$")

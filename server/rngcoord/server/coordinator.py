@@ -56,6 +56,7 @@ from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.rules import (
     MAX_OFFSET,
     RuleViolation,
+    check_attested_ops,
     check_cursor,
     check_fingerprint,
     check_member_id,
@@ -697,6 +698,94 @@ class Coordinator:
             head=state.head,
         )
         return Lease(group, epoch, seq, state.seed, start, end, False)
+
+    # ------------------------------------------------------------------------- attest
+
+    async def attest(
+        self,
+        job: str,
+        group: str,
+        *,
+        epoch: int,
+        anchor_seq: int,
+        ops: int,
+        fingerprint: bytes,
+        rank: int,
+        member_id: str,
+        actor: str = "",
+    ) -> None:
+        """Compare a member's op fingerprint at an op count with the first one attested.
+
+        The first attestation of (epoch, anchor_seq, ops) is stored; a later one with other
+        bytes makes the epoch diverged, recorded and audited as a Reserve divergence is. With
+        attestations every 1,024 ops, ranks whose op sequences differ are caught within 1,024
+        ops of the later rank's attestation, whatever the lease sizes.
+
+        Raises:
+            InvalidArgument, NotFound, StaleEpoch, NotMember: as for `reserve`.
+            Divergence: the epoch diverged, now or before.
+        """
+        with _fields():
+            check_name("job", job)
+            check_name("group", group)
+            check_u64("epoch", epoch)
+            check_seq(anchor_seq)
+            check_attested_ops(ops)
+            check_fingerprint(fingerprint)
+            check_rank(rank)
+            check_member_id(member_id)
+
+        def attest_tx(tx: Tx, now_us: int) -> Divergence | None:
+            g = queries.group_row(tx, job, group)
+            if g is None:
+                raise _not_found(job, group, queries.job_seed(tx, job) is not None)
+            _check_epoch(g.epoch, job, group, epoch)
+            found = queries.member(tx, job, group, epoch, rank)
+            if found is None or found[0] != member_id or found[1] is not None:
+                raise _not_member(job, group, epoch, rank, member_id)
+            row = queries.epoch_row(tx, job, group, epoch)
+            if row is not None and row.diverged is not None:
+                raise _diverged(job, group, epoch, row.diverged)
+            first = queries.attestation(tx, job, group, epoch, anchor_seq, ops)
+            if first is None:
+                queries.insert_attestation(
+                    tx, job, group, epoch, anchor_seq, ops, fingerprint, rank, now_us
+                )
+                return None
+            if first[0] == fingerprint:
+                return None
+            message = (
+                f"divergence in group {group!r} epoch {epoch} after {ops} random ops: rank "
+                f"{rank} attested fingerprint={fingerprint.hex()} but rank {first[1]} attested "
+                f"fingerprint={first[0].hex()}; the ranks disagree about the sequence of "
+                "random ops"
+            )
+            ranks = sorted({rank, first[1]})
+            record = json.dumps({"message": message, "ops": ops, "ranks": ranks})
+            queries.set_diverged(tx, job, group, epoch, record)
+            self._chain.append(
+                tx,
+                ts_us=now_us,
+                job=job,
+                group=group,
+                kind="divergence",
+                actor=actor,
+                detail={
+                    "epoch": epoch,
+                    "anchor_seq": anchor_seq,
+                    "ops": ops,
+                    "rank": rank,
+                    "fingerprint": fingerprint.hex(),
+                    "attested_rank": first[1],
+                    "attested_fingerprint": first[0].hex(),
+                },
+            )
+            return _diverged(job, group, epoch, record)
+
+        diverged = await self._write(functools.partial(attest_tx, now_us=self._clock.now_us()))
+        if diverged is not None:
+            self._cache.groups.drop((job, group))
+            raise diverged
 
     # -------------------------------------------------------------------------- leave
 

@@ -45,7 +45,7 @@ _LATENCY_BUCKETS = (
     30.0,
 )
 
-METHODS = ("JoinGroup", "Reserve", "LeaveGroup", "GetGroup", "Restore", "ListAudit")
+METHODS = ("JoinGroup", "Reserve", "Attest", "LeaveGroup", "GetGroup", "Restore", "ListAudit")
 
 
 class Metrics:

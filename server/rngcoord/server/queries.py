@@ -188,6 +188,37 @@ def set_diverged(tx: Tx, job: str, group: str, epoch: int, record: str) -> None:
     )
 
 
+def attestation(
+    tx: Tx, job: str, group: str, epoch: int, anchor_seq: int, ops: int
+) -> tuple[bytes, int] | None:
+    """(fingerprint, rank) first attested for the key, or None."""
+    row = tx.fetchone(
+        "SELECT fingerprint, rank FROM attestations "
+        "WHERE job = ? AND grp = ? AND epoch = ? AND anchor_seq = ? AND ops = ?",
+        (job, group, epoch, anchor_seq, ops),
+    )
+    return None if row is None else (bytes(row[0]), int(row[1]))
+
+
+def insert_attestation(
+    tx: Tx,
+    job: str,
+    group: str,
+    epoch: int,
+    anchor_seq: int,
+    ops: int,
+    fingerprint: bytes,
+    rank: int,
+    now_us: int,
+) -> None:
+    tx.execute(
+        "INSERT INTO attestations "
+        "(job, grp, epoch, anchor_seq, ops, fingerprint, rank, created_us) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (job, group, epoch, anchor_seq, ops, fingerprint, rank, now_us),
+    )
+
+
 # ------------------------------------------------------------------------------- members
 
 

@@ -60,6 +60,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # Bound once so that the hot path does no dictionary or label lookups.
         self._join_seconds = latency["JoinGroup"]
         self._reserve_seconds = latency["Reserve"]
+        self._attest_seconds = latency["Attest"]
         self._leave_seconds = latency["LeaveGroup"]
         self._get_seconds = latency["GetGroup"]
         self._restore_seconds = latency["Restore"]
@@ -137,6 +138,28 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._reserve_seconds.observe(perf_counter() - t0)
         self._set_head(context)
         return r.to_pb()
+
+    async def Attest(
+        self, request: pb.AttestRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.AttestResponse:
+        t0 = perf_counter()
+        try:
+            self._check_store()
+            await self._coord.attest(
+                request.job,
+                request.group,
+                epoch=request.epoch,
+                anchor_seq=request.anchor_seq,
+                ops=request.ops,
+                fingerprint=request.fingerprint,
+                rank=request.rank,
+                member_id=request.member_id,
+                actor=_actor(request.rank, request.member_id, context),
+            )
+        except Exception as exc:
+            await self._fail("Attest", exc, context, t0)
+        self._attest_seconds.observe(perf_counter() - t0)
+        return pb.AttestResponse()
 
     async def LeaveGroup(
         self, request: pb.LeaveGroupRequest, context: grpc.aio.ServicerContext[object, object]
