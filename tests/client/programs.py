@@ -379,6 +379,50 @@ def attested_divergence(ctx: Ctx) -> dict[str, Any]:
 
 
 @program
+def layout_values(ctx: Ctx) -> dict[str, Any]:
+    """float64 draws on a ("dp", "pp", "tp") 2x2x2 mesh and its sub-meshes: full tensors of
+    every case (odd and prime shapes, sizes below the number of ranks), tp-slice draws, and
+    pipeline stages that run different op sequences on their own tp slices (1,030 and 1,100
+    ops, so that both cross an attestation)."""
+    import itertools
+
+    import torch
+    import torch.distributed.tensor as dt
+    from torch.distributed.tensor import Replicate as R
+    from torch.distributed.tensor import Shard as S
+
+    from rngcoord.client import init_mesh, install
+
+    mesh = init_mesh((2, 2, 2), ("dp", "pp", "tp"), "cpu")
+    tracker = install(mesh, ctx.args["addr"], job="layout", seed=11)
+    shapes = [(5,), (3, 7), (8,), (2, 3, 5), (13,), (1,), (6, 2)]
+    full = []
+    for shape in shapes:
+        for placements in itertools.product([R(), *(S(d) for d in range(len(shape)))], repeat=3):
+            t = dt.rand(shape, device_mesh=mesh, placements=list(placements), dtype=torch.float64)
+            full.append(t.full_tensor())
+    out: dict[str, Any] = {"full": full}
+    tp = mesh["tp"]
+    out["tp"] = [
+        local(dt.rand(shape, device_mesh=tp, placements=[S(0)], dtype=torch.float64)).clone()
+        for shape in [(3,), (8,), (5, 3)]
+    ]
+    stage = mesh["pp"].get_local_rank()
+    n = 1030 if stage == 0 else 1100
+    for i in range(n):
+        shape = (4,) if stage == 0 else (3 + i % 5,)
+        dt.rand(shape, device_mesh=tp, placements=[S(0)], dtype=torch.float64)
+    out["stage_values"] = local(
+        dt.rand((8,), device_mesh=tp, placements=[S(0)], dtype=torch.float64)
+    ).clone()
+    out["stage"] = stage
+    out["groups"] = sorted(tracker.leases)
+    out["attestations"] = {k: m.stats.attestations for k, m in tracker.leases.items()}
+    tracker.close()
+    return out
+
+
+@program
 def restart(ctx: Ctx) -> dict[str, Any]:
     """rand((16,)) ops in three phases; between them the test kills, then restarts, the
     coordinator. Lease size 256: lease 0 is current and lease 1 has arrived when it dies."""

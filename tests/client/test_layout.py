@@ -13,6 +13,7 @@ import math
 import os
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.tensor._random as dtensor_random
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from programs import run_threads
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -181,3 +183,33 @@ def test_sub_mesh_group_rules() -> None:
     # split_dims overrides the default: here dp stages draw separately.
     split = stream_group(tp, 1, root, split_dims=("dp",))
     assert (split.name, split.rank, split.world_size) == ("tp:2[0.1]", 1, 2)
+
+
+@pytest.mark.slow
+def test_values_never_repeat_and_copies_agree(coordinator: Any, tmp_path: Path) -> None:
+    """The same properties on values, end to end: eight thread-ranks on a ("dp", "pp", "tp")
+    mesh draw float64 rand through a real coordinator (chance collisions are negligible)."""
+    results = run_threads("layout_values", 8, tmp_path, addr=coordinator.address)
+    full = results[0]["full"]
+    # Replicas and shards assemble to the same full tensor on every rank.
+    for result in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(result["full"], full, strict=True))
+    # No value repeats inside an op, or anywhere across the 7 x 64 ops of the stream.
+    values = torch.cat([t.flatten() for t in full])
+    assert values.unique().numel() == values.numel()
+    # dp copies of a tp slice draw the same; the two tp ranks of a slice differ.
+    for rank, result in enumerate(results):
+        copy = results[rank ^ 4]  # the same (pp, tp) on the other dp coordinate
+        assert all(torch.equal(a, b) for a, b in zip(result["tp"], copy["tp"], strict=True))
+        other_tp = results[rank ^ 1]
+        for a, b in zip(result["tp"], other_tp["tp"], strict=True):
+            assert not bool(torch.isin(a, b).any())
+    # Pipeline stages ran different op sequences on their own streams: no divergence, each
+    # stage attested at 1,024 ops, and the stages' numbers differ.
+    for result in results:
+        stage_group = [g for g in result["groups"] if g.startswith("tp:2[")]
+        assert len(stage_group) == 1
+        assert result["attestations"][stage_group[0]] == 1
+    stage0 = next(r for r in results if r["stage"] == 0)["stage_values"]
+    stage1 = next(r for r in results if r["stage"] == 1)["stage_values"]
+    assert not bool(torch.isin(stage0, stage1).any())
