@@ -196,7 +196,7 @@ def test_values_never_repeat_and_copies_agree(coordinator: Any, tmp_path: Path) 
         assert all(torch.equal(a, b) for a, b in zip(result["full"], full, strict=True))
     # No value repeats inside an op, or anywhere across the 7 x 64 ops of the stream.
     values = torch.cat([t.flatten() for t in full])
-    assert values.unique().numel() == values.numel()
+    assert torch.unique(values).numel() == values.numel()
     # dp copies of a tp slice draw the same; the two tp ranks of a slice differ.
     for rank, result in enumerate(results):
         copy = results[rank ^ 4]  # the same (pp, tp) on the other dp coordinate
