@@ -81,8 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics",
         default=env.get("RNGCOORD_METRICS", DEFAULT_METRICS),
         metavar="HOST:PORT|off",
-        help=f"Prometheus HTTP listen address, or `off` (env RNGCOORD_METRICS; "
-        f"default {DEFAULT_METRICS})",
+        help=f"HTTP listen address of the status page (/), its JSON API (/api/...) and "
+        f"Prometheus (/metrics), or `off` (env RNGCOORD_METRICS; default {DEFAULT_METRICS})",
+    )
+    serve.add_argument(
+        "--status-open",
+        action="store_true",
+        default=_env_flag(env, "RNGCOORD_STATUS_OPEN"),
+        help="serve the status page and /api without a token even with --tokens (default: "
+        "they need an auditor or admin token; without a token file they are open, logged as a "
+        "warning) (env RNGCOORD_STATUS_OPEN=1)",
     )
     serve.add_argument(
         "--init",
@@ -344,6 +352,7 @@ def _serve(args: argparse.Namespace) -> int:
         idle_timeout_s=args.idle_timeout,
         peer_rate=args.peer_rate,
         peer_burst=args.peer_burst,
+        status_open=args.status_open,
     )
     return serve(
         options,
