@@ -4,9 +4,12 @@ real headless Chromium) that it follows a 4-rank gloo job live through a re-form
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import json
+import time
 import urllib.parse
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -188,3 +191,124 @@ def test_page_is_open_without_a_token_file_or_with_status_open(
 
 def test_metrics_off_opens_no_http_port(coordinator: CoordinatorProcess) -> None:
     assert http_address(coordinator) == "off"
+
+
+# ------------------------------------------------------------------------------ browser
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+
+
+def browser_missing() -> str | None:
+    """Why no headless Chromium can run here, or None."""
+    if importlib.util.find_spec("selenium") is None:
+        return "selenium is not installed (it is in the dev extra)"
+    for path in (CHROMIUM, CHROMEDRIVER):
+        if not path.exists():
+            return f"{path} is missing: apt-get install chromium chromium-driver"
+    return None
+
+
+def chromium(width: int = 1280, height: int = 1000) -> Any:
+    """A headless Chromium under chromedriver (the Debian packages)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",  # CI runs as root, where Chromium's sandbox cannot start
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        f"--window-size={width},{height}",
+    ):
+        options.add_argument(flag)
+    return webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
+
+
+def _group_state(driver: Any, job: str) -> dict[str, Any] | None:
+    """What the page in `driver` shows of `job`'s group (the first), or None."""
+    state: dict[str, Any] | None = driver.execute_script(
+        """
+        const g = document.querySelector(`.group[data-job="${arguments[0]}"]`);
+        if (!g) return null;
+        return {epoch: Number(g.dataset.epoch), leases: Number(g.dataset.leases),
+                world: Number(g.dataset.members),
+                members: g.querySelectorAll("tr.member:not(.left)").length,
+                marker: window.rngcoordTestMarker === true};
+        """,
+        job,
+    )
+    return state
+
+
+def _wait_for(
+    driver: Any, job: str, test: Any, what: str, timeout_s: float = 60.0
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    state = None
+    while time.monotonic() < deadline:
+        state = _group_state(driver, job)
+        if state is not None and test(state):
+            return state
+        time.sleep(0.2)
+    raise AssertionError(f"the page never showed {what}; last seen: {state}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_page_follows_a_gloo_job_live_through_a_new_epoch(
+    coordinator_factory: CoordinatorFactory, tmp_path: Path
+) -> None:
+    reason = browser_missing()
+    if reason is not None:
+        pytest.skip(reason)
+    from client.programs import start_gloo
+
+    server = coordinator_factory(args=["--metrics", "127.0.0.1:0"])
+    address = http_address(server)
+    args = {"addr": server.address, "ops": 100_000, "pace_s": 0.05}
+    first = start_gloo("chaos", 4, tmp_path / "first", **args)
+    second = None
+    driver = chromium()
+    try:
+        driver.get(f"http://{address}/")
+        # Set once: a full reload of the page would lose it.
+        driver.execute_script("window.rngcoordTestMarker = true;")
+        state = _wait_for(
+            driver, "chaos", lambda s: s["members"] == 4 and s["leases"] > 0, "4 members"
+        )
+        assert (state["epoch"], state["world"]) == (1, 4)
+        grown = _wait_for(
+            driver, "chaos", lambda s: s["leases"] > state["leases"] + 2, "the leases grow"
+        )
+        assert grown["epoch"] == 1 and grown["marker"]
+
+        # A rank dies; as torchelastic would, the others are stopped and all 4 start again.
+        first.procs[3].kill()
+        for proc in first.procs:
+            proc.kill()
+            proc.wait()
+        second = start_gloo("chaos", 4, tmp_path / "second", **args)
+        reformed = _wait_for(
+            driver,
+            "chaos",
+            lambda s: s["epoch"] == 2 and s["members"] == 4 and s["leases"] > 0,
+            "epoch 2 with 4 members",
+        )
+        assert reformed["marker"], "the page was reloaded"
+        rows = driver.execute_script("return document.querySelectorAll('tr.record').length")
+        assert rows > 0
+        kinds = driver.execute_script(
+            "return [...document.querySelectorAll('tr.record td:nth-child(5)')]"
+            ".map(td => td.textContent)"
+        )
+        assert "epoch" in kinds and "grant" in kinds
+    finally:
+        driver.quit()
+        for job in (first, second):
+            if job is not None:
+                for proc in job.procs:
+                    proc.kill()
+                    proc.wait()
