@@ -1,4 +1,4 @@
-"""The `rngcoord` command line: serve, audit, verify and demo.
+"""The `rngcoord` command line: serve, audit, report, verify and demo.
 
 Exit status: 0 on success; 1 when `verify` finds a problem; 2 for a usage error or when the
 command cannot run (an unreadable database, an address that cannot be bound, a bad token
@@ -304,6 +304,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.set_defaults(run=_verify)
 
+    report = sub.add_parser(
+        "report",
+        help="write a job's history as one self-contained HTML file (needs the report extra)",
+        description="Draw each group of a job (epochs, leases along the offset axis against "
+        "time, restores, divergences) with a summary table into one HTML file that opens "
+        "offline. Reads the store only; never creates one.",
+    )
+    _add_db(report, env)
+    report.add_argument("--job", required=True, help="the job to report on")
+    report.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="the HTML file to write (replaced if it exists)",
+    )
+    report.set_defaults(run=_report)
+
     demo = sub.add_parser(
         "demo",
         help="run a local elastic training demo against a fresh coordinator (needs the client "
@@ -385,6 +404,26 @@ def _audit(args: argparse.Namespace) -> int:
             print_table(records, sys.stdout)
     finally:
         store.close()
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from rngcoord.server.report import ReportUnavailable, write_report
+    from rngcoord.server.stores import open_store
+
+    store = open_store(args.db)
+    try:
+        written = write_report(store, args.job, args.output)
+    except ReportUnavailable as exc:
+        print(f"rngcoord report: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        store.close()
+    leases = sum(len(g.leases) for g in written.groups)
+    print(
+        f"wrote {args.output}: job {args.job!r}, {len(written.groups)} groups, {leases} leases, "
+        f"audit head {written.head[0]}"
+    )
     return 0
 
 
