@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import importlib.util
 import json
+import signal
 import time
 import urllib.parse
 from pathlib import Path
@@ -191,6 +192,34 @@ def test_page_is_open_without_a_token_file_or_with_status_open(
 
 def test_metrics_off_opens_no_http_port(coordinator: CoordinatorProcess) -> None:
     assert http_address(coordinator) == "off"
+
+
+@pytest.mark.slow
+def test_workers_supervisor_serves_the_page_and_reloads_tokens_on_sighup(
+    coordinator_factory: CoordinatorFactory, tmp_path: Path
+) -> None:
+    tokens = _tokens_file(tmp_path)
+    server = coordinator_factory(
+        args=["--workers", "2", "--metrics", "127.0.0.1:0", "--tokens", str(tokens)]
+    )
+    (serving,) = [e for e in server.log_events() if e.get("event") == "workers_serving"]
+    address = serving["fields"]["metrics"]
+    _diverge(server, "bert")
+    assert get(address, "/", token="memtok")[0] == 403
+    status, _, body = get(address, "/api/status", token="audtok")
+    assert status == 200
+    state = json.loads(body)
+    assert [g["job"] for g in state["groups"]] == ["bert"]
+    assert state["anchor"] == f"{state['store_id']}:{state['head_id']}:{state['head_hash']}:"
+    assert "rngcoord_grants_total 1.0" in get(address, "/metrics")[2]
+    tokens.write_text("ops admin * admtok\n")
+    assert server.popen is not None
+    server.popen.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while get(address, "/", token="audtok")[0] != 401:
+        assert time.monotonic() < deadline, "the token file was not reloaded"
+        time.sleep(0.1)
+    assert get(address, "/", token="admtok")[0] == 200
 
 
 # ------------------------------------------------------------------------------ browser

@@ -25,6 +25,10 @@ its token). No token: 401 with the login form. A member token: 403. An auditor w
 patterns are not `*` sees only the groups of its jobs, and audit records of its jobs among
 the newest `limit * 10`. The page is open to anyone when the server runs without a token file
 (as its gRPC side then is; logged as a warning) or with `open_access` (`--status-open`).
+
+With `--workers N` the supervisor serves this HTTP side (the workers have none): a
+`StatusThread` runs it on an event loop of its own, reading the store through a `StoreSource`
+and /metrics from the workers' multiprocess registry.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -42,13 +47,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from rngcoord.server.addresses import join_host_port
+from rngcoord.server.audit import Chain
 from rngcoord.server.auth import Identity, TokenTable
 from rngcoord.server.logs import event, get_logger
+from rngcoord.server.queries import audit_head
 from rngcoord.server.store import Store, Tx
 from rngcoord.server.views import GroupView, audit_tail, group_views
 from rngcoord.v1.types import AuditRecord
 
-__all__ = ["COOKIE", "Source", "StatusServer"]
+__all__ = ["COOKIE", "Source", "StatusServer", "StatusThread", "StoreSource"]
 
 T = TypeVar("T")
 _log = get_logger("status")
@@ -371,3 +378,67 @@ def _percent(share: float) -> str:
         return "0%"
     # A training job uses a sliver of 2^64: three significant digits show that it moves.
     return f"{share * 100:.3g}%"
+
+
+class StoreSource:
+    """A `Source` without a Coordinator, for the supervisor of `rngcoord serve --workers N`:
+    it reads the audit head from the store at each call and signs it as the workers do.
+
+    Args:
+        store: the open store.
+        chain: the store's chain (its key signs the anchors).
+    """
+
+    def __init__(self, store: Store, chain: Chain) -> None:
+        self._store = store
+        self._chain = chain
+
+    @property
+    def store(self) -> Store:
+        return self._store
+
+    def head_anchor(self) -> str:
+        record_id, record_hash = self._store.read(audit_head)
+        mac = self._chain.anchor_mac(record_id, record_hash)
+        return f"{self._chain.store_id}:{record_id}:{record_hash}:{mac}"
+
+
+class StatusThread:
+    """A `StatusServer` on an event loop of its own, in a background thread: the HTTP side of
+    a process that has no event loop (the supervisor of several workers).
+
+    Args:
+        server: the status server to run.
+        host: the address to bind.
+        port: the port to bind; 0 picks one.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+
+    def __init__(self, server: StatusServer, host: str, port: int) -> None:
+        self._server = server
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="rngcoord-status", daemon=True
+        )
+        self._thread.start()
+        try:
+            self.address = asyncio.run_coroutine_threadsafe(
+                server.start(host, port), self._loop
+            ).result()
+        except BaseException:
+            self.stop()
+            raise
+
+    def reload(self, tokens: TokenTable) -> None:
+        """Check tokens against `tokens` from now on."""
+        self._loop.call_soon_threadsafe(self._server.reload, tokens)
+
+    def stop(self) -> None:
+        """Stop serving and end the thread."""
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._server.stop(), self._loop).result()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        self._loop.close()
