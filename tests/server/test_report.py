@@ -84,10 +84,11 @@ def build_history(server: CoordinatorProcess) -> None:
 
 
 @pytest.fixture(scope="module")
-def history(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The URL of a store holding `build_history`'s job (the server has stopped)."""
+def history(module_store_url: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The URL of a store holding `build_history`'s job (the server has stopped), once per
+    backend."""
     workdir = tmp_path_factory.mktemp("report")
-    server = CoordinatorProcess(f"sqlite:///{workdir / 'rngcoord.db'}", workdir / "server")
+    server = CoordinatorProcess(module_store_url, workdir / "server")
     try:
         server.start()
         build_history(server)

@@ -139,8 +139,11 @@ def test_login_form_keeps_the_token_in_a_cookie(guarded: CoordinatorProcess) -> 
 
 
 def test_page_and_api_show_groups_members_leases_and_a_divergence(
-    guarded: CoordinatorProcess,
+    coordinator_factory: CoordinatorFactory, store_url: str, tmp_path: Path
 ) -> None:
+    guarded = coordinator_factory(
+        store_url, args=["--metrics", "127.0.0.1:0", "--tokens", str(_tokens_file(tmp_path))]
+    )
     _diverge(guarded, "bert")
     _diverge(guarded, "llama-7b")
     address = http_address(guarded)

@@ -33,7 +33,7 @@ MAX_BARS = 400
 """Most lease bars drawn per epoch; more leases are aggregated into this many time buckets."""
 
 _BAND_COLORS = ("#dde8f7", "#f7ecdd")
-_LEASE_COLOR = "#1f5fbf"
+_LEASE_RGB = (0.12, 0.37, 0.75)
 
 
 class ReportUnavailable(RuntimeError):
@@ -233,14 +233,26 @@ def _draw_leases(
     """Draw `leases` (one epoch's) as at most MAX_BARS bars; return the bars."""
     if not leases:
         return []
+    if len(leases) <= MAX_BARS:
+        # One bar per lease, a sliver of the time axis wide.
+        bars = ax.bar(
+            [at(lease.created_us) for lease in leases],
+            [max(lease.end - lease.start, min_height) for lease in leases],
+            bottom=[lease.start for lease in leases],
+            width=span / MAX_BARS,
+            align="edge",
+            color=_LEASE_RGB,
+            linewidth=0,
+            zorder=3,
+        )
+        return list(bars)
     first, last = at(leases[0].created_us), at(leases[-1].created_us)
-    buckets = min(MAX_BARS, len(leases))
-    width = max((last - first) / buckets, span / 2000)
-    lows: list[float] = [float("inf")] * buckets
-    highs: list[float] = [0.0] * buckets
-    counts = [0] * buckets
+    width = max((last - first) / MAX_BARS, 1e-9)
+    lows: list[float] = [float("inf")] * MAX_BARS
+    highs: list[float] = [0.0] * MAX_BARS
+    counts = [0] * MAX_BARS
     for lease in leases:
-        i = min(int((at(lease.created_us) - first) / width), buckets - 1)
+        i = min(int((at(lease.created_us) - first) / width), MAX_BARS - 1)
         lows[i] = min(lows[i], lease.start)
         highs[i] = max(highs[i], lease.end)
         counts[i] += 1
@@ -251,7 +263,7 @@ def _draw_leases(
             xs.append(first + i * width)
             bottoms.append(lows[i])
             heights.append(max(highs[i] - lows[i], min_height))
-            colors.append((0.12, 0.37, 0.75, 0.35 + 0.65 * n / most))
+            colors.append((*_LEASE_RGB, 0.35 + 0.65 * n / most))
     bars = ax.bar(
         xs, heights, bottom=bottoms, width=width, align="edge", color=colors, linewidth=0, zorder=3
     )
