@@ -122,14 +122,14 @@ def test_report_draws_each_group_with_epochs_leases_and_the_restore(
     assert elastic.count('id="g2-lease-1-') == 4 and elastic.count('id="g2-lease-2-') == 3
 
 
-def test_report_refuses_a_missing_store_or_job_and_creates_nothing(
-    history: str, tmp_path: Path
-) -> None:
+def test_report_refuses_a_missing_store_or_job_and_creates_nothing(tmp_path: Path) -> None:
     missing = tmp_path / "none.db"
     done = run_cli("report", "--db", f"sqlite:///{missing}", "--job", JOB, "-o", "x.html")
     assert done.returncode == 2 and "no rngcoord store" in done.stderr
     assert not missing.exists()
-    done = run_cli("report", "--db", history, "--job", "nope", "-o", str(tmp_path / "x.html"))
+    SqliteStore(tmp_path / "empty.db", create=True).close()
+    empty = f"sqlite:///{tmp_path / 'empty.db'}"
+    done = run_cli("report", "--db", empty, "--job", "nope", "-o", str(tmp_path / "x.html"))
     assert done.returncode == 2 and "has no job 'nope'" in done.stderr
     assert not (tmp_path / "x.html").exists()
 
