@@ -249,14 +249,13 @@ class StatusServer:
 
     def _head(self) -> dict[str, Any]:
         anchor = self._source.head_anchor()
-        store_id, record_id, record_hash, mac = anchor.split(":")
+        _, record_id, record_hash, mac = anchor.split(":")
         return {
             "store_id": self._source.store.store_id,
             "anchor": anchor,
             "head_id": int(record_id),
             "head_hash": record_hash,
             "head_mac": mac,
-            "anchor_store_id": store_id,
         }
 
     async def _page(self, request: web.Request) -> web.StreamResponse:
