@@ -9,12 +9,13 @@ import json
 import signal
 import time
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from harness import CoordinatorFactory, CoordinatorProcess, join_all
+from harness import CoordinatorFactory, CoordinatorProcess, PostgresDatabases, join_all
 from rngcoord.v1 import coordinator_pb2 as pb
 
 
@@ -201,6 +202,21 @@ def test_page_is_open_without_a_token_file_or_with_status_open(
 
 def test_metrics_off_opens_no_http_port(coordinator: CoordinatorProcess) -> None:
     assert http_address(coordinator) == "off"
+
+
+@pytest.mark.slow  # each read waits out the pool's connection timeout
+def test_a_lost_database_is_answered_503(
+    coordinator_factory: CoordinatorFactory, postgres_url_factory: Callable[[], str]
+) -> None:
+    url = postgres_url_factory()
+    server = coordinator_factory(url, args=["--metrics", "127.0.0.1:0"])
+    address = http_address(server)
+    assert get(address, "/api/status")[0] == 200
+    PostgresDatabases().drop(url)
+    status, _, body = get(address, "/api/status")
+    assert status == 503 and "the store is unavailable" in json.loads(body)["error"]
+    status, _, body = get(address, "/")
+    assert status == 503 and "the store is unavailable" in body
 
 
 @pytest.mark.slow

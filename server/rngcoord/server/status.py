@@ -226,7 +226,17 @@ class StatusServer:
                 error=denied.why,
                 forbidden=denied.status == 403,
             )
-        response = await handler(request)
+        try:
+            response = await handler(request)
+        except Exception as exc:
+            if not self._source.store.is_unavailable(exc):
+                raise
+            # The database is down or unreachable: say so, as the gRPC side does.
+            why = f"the store is unavailable: {exc}"
+            event(_log, logging.WARNING, "status_store_unavailable", error=str(exc))
+            if request.path.startswith(("/api/", "/partials/")):
+                return web.json_response({"error": why}, status=503)
+            return web.Response(text=why, status=503)
         return response
 
     # ------------------------------------------------------------------- handlers
