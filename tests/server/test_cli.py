@@ -6,10 +6,16 @@ subprocess (`python -m rngcoord.server.cli`), as a user would run it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import queue
+import signal
 import socket
 import sqlite3
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,37 +25,48 @@ from harness import CountingStore, InProcess, LoopThread, ManualClock, form, run
 from rngcoord.server.sqlite import SqliteStore
 
 JOB = "cli-job"
+ACTOR = "trainer-identity: rank 0 member m0 @ ipv4:127.0.0.1:40000"
+
+
+def _grant(h: InProcess, group: str, seqs: range) -> None:
+    for seq in seqs:
+        h.run(
+            h.coord.reserve(
+                JOB,
+                group,
+                epoch=1,
+                seq=seq,
+                size=1024,
+                fingerprint=b"fp",
+                rank=0,
+                member_id="m0",
+                actor=ACTOR,
+            )
+        )
+
+
+@contextlib.contextmanager
+def _coordinator(path: Path, *, create: bool = False) -> Iterator[InProcess]:
+    loop = LoopThread()
+    store = CountingStore(SqliteStore(path, create=create))
+    h = InProcess(loop, store, ManualClock())
+    try:
+        yield h
+    finally:
+        h.close()
+        store.close()
+        loop.close()
 
 
 @pytest.fixture
 def filled(tmp_path: Path) -> Iterator[str]:
     """A SQLite store with 2 groups: 1 job + 2 group + 2 epoch + 5 grant + 1 restore records."""
     url = f"sqlite:///{tmp_path / 'filled.db'}"
-    loop = LoopThread()
-    store = CountingStore(SqliteStore(tmp_path / "filled.db", create=True))
-    h = InProcess(loop, store, ManualClock())
-    try:
+    with _coordinator(tmp_path / "filled.db", create=True) as h:
         for group, leases in (("tp", 3), ("dp", 2)):
             form(h, group, ("m0",), job=JOB, job_seed=7)
-            for seq in range(leases):
-                h.run(
-                    h.coord.reserve(
-                        JOB,
-                        group,
-                        epoch=1,
-                        seq=seq,
-                        size=1024,
-                        fingerprint=b"fp",
-                        rank=0,
-                        member_id="m0",
-                        actor="test",
-                    )
-                )
+            _grant(h, group, range(leases))
         h.run(h.coord.restore(JOB, "tp", epoch=1, seq=3, cursor=0, rank=0, member_id="m0"))
-    finally:
-        h.close()
-        store.close()
-        loop.close()
     yield url
 
 
@@ -57,12 +74,87 @@ def test_audit_prints_a_table(filled: str) -> None:
     result = run_cli("audit", "--db", filled)
     assert result.returncode == 0, result.stderr
     header, *rows = result.stdout.splitlines()
-    assert header.split() == ["ID", "TIME", "(UTC)", "JOB", "GROUP", "KIND", "ACTOR", "DETAIL"]
+    assert header.split() == [
+        "ID",
+        "TIME",
+        "(UTC)",
+        "JOB",
+        "GROUP",
+        "KIND",
+        "DETAIL,",
+        "by",
+        "ACTOR",
+    ]
+    # Not a terminal, no --width: one line per record, the actor last and whole.
     assert len(rows) == 11
-    kinds = [row.split()[4] for row in rows[1:]]
+    kinds = [row.split()[5] for row in rows[1:]]
     assert kinds.count("grant") == 5 and kinds.count("restore") == 1
     grant = next(row for row in rows if " grant " in row)
     assert "start=0" in grant and "end=1024" in grant and "size=1024" in grant
+    assert grant.endswith(f"  by {ACTOR}")
+
+
+@pytest.mark.parametrize("width", [60, 100])
+def test_audit_table_fits_the_width_and_never_cuts_an_identity(filled: str, width: int) -> None:
+    result = run_cli("audit", "--db", filled, "--width", str(width))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    # Only a word longer than the DETAIL column may pass the width, whole.
+    assert all(len(line) <= width or " " not in line.strip() for line in lines)
+    assert "…" not in result.stdout
+    records = []
+    for line in lines[1:]:
+        if line[:4].strip():
+            records.append(line)
+        else:
+            records[-1] += " " + line.strip()
+    assert len(records) == 11
+    grants = [" ".join(r.split()) for r in records if " grant " in r]
+    assert len(grants) == 5 and all(g.endswith(f"by {ACTOR}") for g in grants)
+
+
+@pytest.mark.slow
+def test_audit_follow_prints_new_records_until_ctrl_c(filled: str, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rngcoord.server.cli", "audit", "--db", filled, "--json",
+         "--follow", "--poll", "0.05", "--group", "dp"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        stdout = proc.stdout
+        assert stdout is not None
+        lines: queue.Queue[str] = queue.Queue()
+
+        def pump() -> None:
+            for line in stdout:
+                lines.put(line)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+        def read(n: int) -> list[dict[str, object]]:
+            return [json.loads(lines.get(timeout=30)) for _ in range(n)]
+
+        assert [r["kind"] for r in read(3)] == ["group", "epoch", "grant"]
+        assert [r["kind"] for r in read(1)] == ["grant"]
+        with _coordinator(tmp_path / "filled.db") as h:
+            _grant(h, "tp", range(3, 5))  # filtered out
+            _grant(h, "dp", range(2, 4))
+        new = read(2)
+        assert [(r["group"], r["detail"]["seq"]) for r in new] == [("dp", 2), ("dp", 3)]  # type: ignore[index]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert proc.stderr is not None and "Traceback" not in proc.stderr.read()
+        assert lines.empty()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_audit_follow_refuses_until_and_limit(filled: str) -> None:
+    result = run_cli("audit", "--db", filled, "--follow", "--limit", "3")
+    assert result.returncode == 2 and "takes no --until or --limit" in result.stderr
 
 
 @pytest.mark.slow
@@ -144,7 +236,7 @@ def test_serve_refuses_a_bad_token_file_a_busy_port_and_half_a_tls_setup(
     assert "TLS needs both --tls-cert and --tls-key" in half.stderr
 
 
-@pytest.mark.parametrize("command", [[], ["serve"], ["audit"], ["verify"], ["demo"]])
+@pytest.mark.parametrize("command", [[], ["serve"], ["audit"], ["report"], ["verify"], ["demo"]])
 def test_help_reads_well(command: list[str]) -> None:
     result = run_cli(*command, "--help")
     assert result.returncode == 0, result.stderr

@@ -4,8 +4,9 @@
 `init`; see `open_for_serving`), the audit chain (keyed with the audit key), the Coordinator,
 a `grpc.aio` server carrying the Coordinator servicer behind the gate (rate limit, decoding,
 tokens and roles: rngcoord.server.gate), the grpc.health.v1 health service (NOT_SERVING while
-the store is lost or failing) and server reflection, optional TLS/mTLS, the Prometheus HTTP
-endpoint, and the anchor writer (the chain's head, signed, to an append-only file and the
+the store is lost or failing) and server reflection, optional TLS/mTLS, the HTTP side on the
+same event loop (status page, JSON API and Prometheus /metrics: rngcoord.server.status), and
+the anchor writer (the chain's head, signed, to an append-only file and the
 log). No RPC holds a thread: handlers are coroutines, the store's writes go to its
 group-commit writer thread and its reads to a few reader threads.
 
@@ -35,7 +36,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from http.server import HTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from rngcoord.server.gate import Gate, PeerRateLimit
 from rngcoord.server.logs import configure, event, get_logger
 from rngcoord.server.metrics import Metrics
 from rngcoord.server.service import CoordinatorServicer
+from rngcoord.server.status import StatusServer
 from rngcoord.server.store import Store
 from rngcoord.server.stores import open_store
 from rngcoord.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -104,7 +105,8 @@ class ServerOptions:
     Args:
         listen: the gRPC listen address, "HOST:PORT"; port 0 picks a free one.
         db_url: the store, `sqlite:///PATH` or `postgresql://...`.
-        metrics_listen: the Prometheus HTTP address. Default None: no metrics endpoint.
+        metrics_listen: the HTTP address of the status page, its API and Prometheus
+            /metrics. Default None: no HTTP side.
         tokens: a token file (see rngcoord.server.auth). Default None: no authentication,
             which is logged as a warning.
         tls: TLS settings. Default None: plaintext.
@@ -132,6 +134,9 @@ class ServerOptions:
         reuse_port: bind with SO_REUSEPORT, so that the workers of one `rngcoord serve`
             share the port. Default False: a second server cannot silently share it.
         worker: this process's index among the workers, for logs. Default 0.
+        status_open: serve the status page and its API without a token even when there is
+            a token file (`--status-open`). Default False: they need an auditor or admin
+            token (and are open only when there is no token file at all).
     """
 
     listen: str
@@ -155,6 +160,7 @@ class ServerOptions:
     peer_burst: float = 20000.0
     reuse_port: bool = False
     worker: int = 0
+    status_open: bool = False
 
 
 def open_for_serving(options: ServerOptions) -> tuple[Store, audit.Chain]:
@@ -290,7 +296,7 @@ async def run_server(
         chain=chain,
     )
     server: grpc.aio.Server | None = None
-    metrics_http: HTTPServer | None = None
+    status_http: StatusServer | None = None
     tasks: list[asyncio.Task[None]] = []
     try:
         await coordinator.start()
@@ -304,19 +310,29 @@ async def run_server(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
         port = _bind(server, options.listen, credentials)
+        metrics_address = None
         if options.metrics_listen is not None:
-            metrics_http = metrics.serve_http(*split_host_port(options.metrics_listen))
+            status_http = StatusServer(
+                coordinator, metrics.registry, tokens, open_access=options.status_open
+            )
+            metrics_address = await status_http.start(*split_host_port(options.metrics_listen))
+            if status_http.is_open and options.worker == 0:
+                event(
+                    _log,
+                    logging.WARNING,
+                    "status_page_open",
+                    address=metrics_address,
+                    reason="--status-open" if options.status_open else "no token file",
+                )
         await server.start()
         await _set_health(health_servicer, True)
         tasks.append(loop.create_task(_keep_health(coordinator, health_servicer)))
         tasks.append(loop.create_task(_write_anchors(coordinator, options.anchor_file)))
         if reload is not None:
-            tasks.append(loop.create_task(_reload_tokens(reload, options.tokens, gate)))
+            tasks.append(
+                loop.create_task(_reload_tokens(reload, options.tokens, gate, status_http))
+            )
         address = join_host_port(host, port)
-        metrics_address = None
-        if metrics_http is not None:
-            metrics_host, metrics_port = metrics_http.server_address[:2]
-            metrics_address = join_host_port(str(metrics_host), metrics_port)
         event(
             _log,
             logging.INFO,
@@ -347,10 +363,9 @@ async def run_server(
         if server is not None:
             await server.stop(None)
         await coordinator.close()
+        if status_http is not None:
+            await status_http.stop()
         await loop.run_in_executor(None, store.close)
-        if metrics_http is not None:
-            metrics_http.shutdown()
-            metrics_http.server_close()
 
 
 async def _set_health(servicer: Any, serving: bool) -> None:
@@ -409,7 +424,9 @@ def _append_line(path: Path, line: str) -> None:
         os.close(fd)
 
 
-async def _reload_tokens(reload: asyncio.Event, path: Path | None, gate: Gate) -> None:
+async def _reload_tokens(
+    reload: asyncio.Event, path: Path | None, gate: Gate, status_http: StatusServer | None
+) -> None:
     while True:
         await reload.wait()
         reload.clear()
@@ -422,6 +439,8 @@ async def _reload_tokens(reload: asyncio.Event, path: Path | None, gate: Gate) -
             event(_log, logging.ERROR, "tokens_reload_failed", error=str(exc), kept="previous")
             continue
         gate.reload(table)
+        if status_http is not None:
+            status_http.reload(table)
         event(_log, logging.INFO, "tokens_reloaded", tokens=len(table), file=str(path))
 
 
@@ -430,7 +449,8 @@ class RunningServer:
 
     Attributes:
         address: the gRPC address actually bound, "HOST:PORT".
-        metrics_address: the Prometheus endpoint actually bound, or None when it is off.
+        metrics_address: the HTTP side (status page, /metrics) actually bound, or None when
+            it is off.
     """
 
     def __init__(self, options: ServerOptions, metrics: Metrics | None = None) -> None:

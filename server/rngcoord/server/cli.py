@@ -1,4 +1,4 @@
-"""The `rngcoord` command line: serve, audit, verify and demo.
+"""The `rngcoord` command line: serve, audit, report, verify and demo.
 
 Exit status: 0 on success; 1 when `verify` finds a problem; 2 for a usage error or when the
 command cannot run (an unreadable database, an address that cannot be bound, a bad token
@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import textwrap
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from rngcoord.server.audit import KINDS, AuditRecord
-from rngcoord.server.store import StoreNotFound
+from rngcoord.server.store import Store, StoreNotFound, Tx
 
 DEFAULT_LISTEN = "0.0.0.0:29520"
 DEFAULT_DB = "sqlite:///rngcoord.db"
@@ -29,6 +32,11 @@ DEFAULT_METRICS = "0.0.0.0:9464"
 # The table sizes its columns from the first rows, then streams the rest at those widths.
 _TABLE_SAMPLE = 1000
 _MAX_COLUMN = 40
+_MIN_DETAIL = 24
+_COLUMNS = 5
+_INDENT = 4
+"""Columns before DETAIL: ID, TIME, JOB, GROUP, KIND."""
+_FOLLOW_PAGE = 500
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,8 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics",
         default=env.get("RNGCOORD_METRICS", DEFAULT_METRICS),
         metavar="HOST:PORT|off",
-        help=f"Prometheus HTTP listen address, or `off` (env RNGCOORD_METRICS; "
-        f"default {DEFAULT_METRICS})",
+        help=f"HTTP listen address of the status page (/), its JSON API (/api/...) and "
+        f"Prometheus (/metrics), or `off` (env RNGCOORD_METRICS; default {DEFAULT_METRICS})",
+    )
+    serve.add_argument(
+        "--status-open",
+        action="store_true",
+        default=_env_flag(env, "RNGCOORD_STATUS_OPEN"),
+        help="serve the status page and /api without a token even with --tokens (default: "
+        "they need an auditor or admin token; without a token file they are open, logged as a "
+        "warning) (env RNGCOORD_STATUS_OPEN=1)",
     )
     serve.add_argument(
         "--init",
@@ -267,6 +283,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="at most N records (default 0: all)",
     )
     audit.add_argument("--json", action="store_true", help="one JSON object per line")
+    audit.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="after the records so far, print new ones as they are appended (polls the "
+        "store; Ctrl-C ends it)",
+    )
+    audit.add_argument(
+        "--poll",
+        type=_positive_float,
+        default=0.5,
+        metavar="SECONDS",
+        help="how often --follow reads the store (default 0.5)",
+    )
+    audit.add_argument(
+        "--width",
+        type=_non_negative_int,
+        default=None,
+        metavar="COLUMNS",
+        help="fit the table to this many columns, wrapping long cells, never cutting them; 0 "
+        "for one line per record (default: the terminal's width, or 0 when not a terminal)",
+    )
     audit.set_defaults(run=_audit)
 
     verify = sub.add_parser(
@@ -295,6 +333,25 @@ def build_parser() -> argparse.ArgumentParser:
         "kept by clients (STORE_ID:ID:HASH:MAC lines); repeatable",
     )
     verify.set_defaults(run=_verify)
+
+    report = sub.add_parser(
+        "report",
+        help="write a job's history as one self-contained HTML file (needs the report extra)",
+        description="Draw each group of a job (epochs, leases along the offset axis against "
+        "time, restores, divergences) with a summary table into one HTML file that opens "
+        "offline. Reads the store only; never creates one.",
+    )
+    _add_db(report, env)
+    report.add_argument("--job", required=True, help="the job to report on")
+    report.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="the HTML file to write (replaced if it exists)",
+    )
+    report.set_defaults(run=_report)
 
     demo = sub.add_parser(
         "demo",
@@ -344,6 +401,7 @@ def _serve(args: argparse.Namespace) -> int:
         idle_timeout_s=args.idle_timeout,
         peer_rate=args.peer_rate,
         peer_burst=args.peer_burst,
+        status_open=args.status_open,
     )
     return serve(
         options,
@@ -356,26 +414,85 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _audit(args: argparse.Namespace) -> int:
     from rngcoord.server.audit import records as audit_records
+    from rngcoord.server.queries import audit_head
+    from rngcoord.server.stores import open_store
+
+    if args.follow and (args.until or args.limit):
+        raise ValueError("--follow streams records as they come: it takes no --until or --limit")
+    width = args.width
+    if width is None:
+        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else 0
+    filters = {
+        "job": args.job,
+        "group": args.group,
+        "kinds": tuple(args.kind),
+        "since_us": args.since,
+    }
+    store = open_store(args.db)
+    try:
+        # Every record up to this head is listed (or filtered out) by the listing below.
+        seen = [store.read(audit_head)[0] if args.follow else 0]
+        listed = _noting_ids(
+            audit_records(store, **filters, until_us=args.until, limit=args.limit), seen
+        )
+        more = _follow(store, seen, filters, args.poll) if args.follow else None
+        if args.json:
+            for rec in itertools.chain(listed, more or ()):
+                line = json.dumps(audit_json(rec), sort_keys=True, separators=(",", ":"))
+                print(line, flush=args.follow)
+        else:
+            print_table(listed, sys.stdout, width=width, then=more)
+    except KeyboardInterrupt:
+        # Ctrl-C is how --follow ends.
+        return 0
+    finally:
+        store.close()
+    return 0
+
+
+def _noting_ids(records: Iterable[AuditRecord], seen: list[int]) -> Iterator[AuditRecord]:
+    for rec in records:
+        seen[0] = max(seen[0], rec.id)
+        yield rec
+
+
+def _follow(
+    store: Store, seen: list[int], filters: dict[str, Any], poll_s: float
+) -> Iterator[AuditRecord]:
+    """Records after `seen[0]` passing `filters`, as they are appended, forever."""
+    from rngcoord.server.audit import fetch_page
+    from rngcoord.server.queries import audit_head
+
+    def read(tx: Tx) -> tuple[int, list[AuditRecord]]:
+        head = audit_head(tx)[0]
+        return head, fetch_page(tx, after_id=seen[0], limit=_FOLLOW_PAGE, **filters)
+
+    while True:
+        head, page = store.read(read)
+        yield from _noting_ids(page, seen)
+        if len(page) < _FOLLOW_PAGE:
+            # Whatever else was appended up to `head` did not pass the filters.
+            seen[0] = max(seen[0], head)
+            time.sleep(poll_s)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from rngcoord.server.report import ReportUnavailable, write_report
     from rngcoord.server.stores import open_store
 
     store = open_store(args.db)
     try:
-        records = audit_records(
-            store,
-            job=args.job,
-            group=args.group,
-            kinds=tuple(args.kind),
-            since_us=args.since,
-            until_us=args.until,
-            limit=args.limit,
-        )
-        if args.json:
-            for rec in records:
-                print(json.dumps(audit_json(rec), sort_keys=True, separators=(",", ":")))
-        else:
-            print_table(records, sys.stdout)
+        written = write_report(store, args.job, args.output)
+    except ReportUnavailable as exc:
+        print(f"rngcoord report: error: {exc}", file=sys.stderr)
+        return 2
     finally:
         store.close()
+    leases = sum(len(g.leases) for g in written.groups)
+    print(
+        f"wrote {args.output}: job {args.job!r}, {len(written.groups)} groups, {leases} leases, "
+        f"audit head {written.head[0]}"
+    )
     return 0
 
 
@@ -455,30 +572,58 @@ def audit_json(rec: AuditRecord) -> dict[str, object]:
     }
 
 
-def print_table(records: Iterable[AuditRecord], out: TextIO) -> None:
-    """Print records as an aligned table: ID TIME JOB GROUP KIND ACTOR DETAIL.
+def print_table(
+    records: Iterable[AuditRecord],
+    out: TextIO,
+    *,
+    width: int = 0,
+    then: Iterable[AuditRecord] | None = None,
+) -> None:
+    """Print records as an aligned table: ID, TIME, JOB, GROUP, KIND, then DETAIL followed by
+    "by ACTOR".
 
-    Column widths come from the first rows (capped); a longer cell later is cut with "…".
-    DETAIL, the last column, is never cut.
+    Column widths come from the first rows of `records` (capped). Nothing is ever cut: a cell
+    longer than its column, and the DETAIL column, wrap onto the record's next lines; the
+    actor (who did it, identity first) starts a line of its own when the record wraps, and a
+    word longer than the line is printed whole. When the width leaves DETAIL too little room
+    beside the other columns, DETAIL and the actor go on indented lines under the record.
+
+    Args:
+        records: the records to print.
+        out: where to print.
+        width: the line width to fit; 0 for none (one line per record). Default 0.
+        then: records to print after `records`, as they come (`--follow`), at the same
+            widths. Default None: "no audit records match" when `records` is empty.
     """
-    header = ("ID", "TIME (UTC)", "JOB", "GROUP", "KIND", "ACTOR", "DETAIL")
     it = iter(records)
     sample: list[tuple[str, ...]] = []
     for rec in it:
         sample.append(_row(rec))
         if len(sample) == _TABLE_SAMPLE:
             break
-    if not sample:
+    if not sample and then is None:
         print("no audit records match", file=out)
         return
-    widths = [
-        min(_MAX_COLUMN, max(len(r[i]) for r in [header, *sample])) for i in range(len(header) - 1)
-    ]
-    print(_format_row(header, widths), file=out)
+    header: tuple[str, ...] = ("ID", "TIME (UTC)", "JOB", "GROUP", "KIND", "DETAIL, by ACTOR", "")
+    widths = [max(len(r[i]) for r in [header, *sample]) for i in range(_COLUMNS)]
+    # Names wrap inside their columns rather than leave DETAIL no room.
+    cap = _MAX_COLUMN if not width else max(8, min(_MAX_COLUMN, width // 6))
+    widths[2:] = [min(cap, w) for w in widths[2:]]
+    prefix = sum(w + 2 for w in widths)
+    # Too narrow for a DETAIL column beside the others: DETAIL goes under them, indented.
+    below = bool(width) and width - prefix < _MIN_DETAIL
+    detail = 0 if not width else (width - _INDENT if below else width - prefix)
+    if below:
+        header = (*header[:_COLUMNS], "", "")
+    print(_format_row(header, widths, detail, below), file=out, flush=True)
     for row in sample:
-        print(_format_row(row, widths), file=out)
+        print(_format_row(row, widths, detail, below), file=out)
     for rec in it:
-        print(_format_row(_row(rec), widths), file=out)
+        print(_format_row(_row(rec), widths, detail, below), file=out)
+    if then is not None:
+        out.flush()
+        for rec in then:
+            print(_format_row(_row(rec), widths, detail, below), file=out, flush=True)
 
 
 def _row(rec: AuditRecord) -> tuple[str, ...]:
@@ -486,24 +631,52 @@ def _row(rec: AuditRecord) -> tuple[str, ...]:
         f"{k}={v if isinstance(v, str | int) else json.dumps(v, separators=(',', ':'))}"
         for k, v in sorted(rec.detail.items())
     )
+    when = datetime.fromtimestamp(rec.ts_us / 1e6, UTC)
     return (
         str(rec.id),
-        _format_time(rec.ts_us),
+        when.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3],
         rec.job,
         rec.group,
         rec.kind,
-        rec.actor,
         detail,
+        f"by {rec.actor}" if rec.actor else "",
     )
 
 
-def _format_row(row: tuple[str, ...], widths: list[int]) -> str:
-    cells = []
-    for i, width in enumerate(widths):
-        cell = row[i] if len(row[i]) <= width else row[i][: width - 1] + "…"
-        cells.append(cell.rjust(width) if i == 0 else cell.ljust(width))
-    cells.append(row[-1])
-    return "  ".join(cells).rstrip()
+def _format_row(row: tuple[str, ...], widths: list[int], detail: int, below: bool) -> str:
+    """A record's lines: its cells side by side, each wrapped to its column; then DETAIL and
+    "by ACTOR" in a last column (or, `below`, on lines of their own under the record),
+    wrapped to `detail` characters (0: not wrapped)."""
+    cells = [_wrap(row[i], w, split_words=True) for i, w in enumerate(widths)]
+    parts = [part for part in row[-2:] if part]
+    if detail:
+        last = [line for part in parts for line in _wrap(part, detail)]
+    else:
+        last = ["  ".join(parts)]
+    if not below:
+        cells.append(last or [""])
+    lines = []
+    for n in range(max(len(c) for c in cells)):
+        texts = []
+        for i, cell in enumerate(cells):
+            text = cell[n] if n < len(cell) else ""
+            if i < len(widths):
+                text = text.rjust(widths[i]) if i == 0 else text.ljust(widths[i])
+            texts.append(text)
+        lines.append("  ".join(texts).rstrip())
+    if below:
+        lines += [" " * _INDENT + line for line in last]
+    return "\n".join(lines)
+
+
+def _wrap(text: str, width: int, *, split_words: bool = False) -> list[str]:
+    """`text` in lines of at most `width` characters, whole: words longer than `width` are
+    split only with `split_words` (names), else kept whole on a line of their own."""
+    if len(text) <= width or not text:
+        return [text]
+    return textwrap.wrap(text, width, break_long_words=split_words, break_on_hyphens=False) or [
+        text
+    ]
 
 
 def _format_time(ts_us: int) -> str:

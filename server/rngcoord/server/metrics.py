@@ -1,7 +1,8 @@
-"""Prometheus metrics of one coordinator server, and the HTTP endpoint that exposes them.
+"""Prometheus metrics of one coordinator server.
 
 Each `Metrics` owns its own registry, so several servers in one process (tests, embedding)
-never collide. The servicer counts; the Coordinator itself knows nothing of Prometheus.
+never collide. The servicer counts; the Coordinator itself knows nothing of Prometheus. The
+registry is exposed at /metrics by the server's HTTP side (rngcoord.server.status).
 
 Exposed series:
 - `rngcoord_grants_total`: leases granted by a durable write.
@@ -13,8 +14,6 @@ Exposed series:
 
 from __future__ import annotations
 
-from http.server import HTTPServer
-
 import grpc
 from prometheus_client import (
     GC_COLLECTOR,
@@ -23,7 +22,6 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
-    start_http_server,
 )
 
 # Coordinator RPCs take well under a millisecond on a hit and one group-commit fsync on a grant;
@@ -95,12 +93,3 @@ class Metrics:
     def error(self, code: grpc.StatusCode) -> None:
         """Count one RPC that ended with status `code`."""
         self._errors_by_code[code].inc()
-
-    def serve_http(self, host: str, port: int) -> HTTPServer:
-        """Start the /metrics HTTP endpoint on host:port (port 0 picks one) in a thread.
-
-        Returns the HTTP server; its `server_address` holds the bound port and `shutdown()`
-        stops it.
-        """
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server

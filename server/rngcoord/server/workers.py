@@ -11,8 +11,8 @@ The supervisor:
 - reserves the port first with a bound, non-listening SO_REUSEPORT socket (so port 0 resolves
   once, and the port stays theirs while a worker restarts), after checking that nothing else
   holds it;
-- serves the Prometheus endpoint itself, aggregating the workers' metrics
-  (prometheus_client's multiprocess mode);
+- serves the HTTP side itself (status page, its API, and Prometheus /metrics aggregating the
+  workers' metrics with prometheus_client's multiprocess mode: rngcoord.server.status);
 - writes the ready file once every worker serves;
 - restarts a worker that dies, passes SIGHUP on to every worker (each reloads its token
   file), and on SIGTERM or SIGINT tells every worker to drain.
@@ -37,7 +37,10 @@ from typing import Any
 
 from rngcoord.server.addresses import join_host_port, split_host_port
 from rngcoord.server.app import ServerOptions, run_server, with_port, write_atomically
+from rngcoord.server.auth import load_tokens
 from rngcoord.server.logs import configure, event, get_logger
+from rngcoord.server.status import StatusThread
+from rngcoord.server.store import Store
 
 __all__ = ["supervise"]
 
@@ -66,7 +69,8 @@ def supervise(
     ready: Any = context.SimpleQueue()
     level = logging.getLogger("rngcoord").level
     procs: dict[int, BaseProcess] = {}
-    metrics_http = None
+    status_http: StatusThread | None = None
+    status_store: Store | None = None
     stopping = False
 
     def start(index: int) -> None:
@@ -90,6 +94,11 @@ def supervise(
                 os.kill(proc.pid, signal.SIGTERM)
 
     def on_hangup(_signum: int, _frame: object) -> None:
+        if status_http is not None and options.tokens is not None:
+            try:
+                status_http.reload(load_tokens(options.tokens))
+            except (OSError, ValueError) as exc:
+                event(_log, logging.ERROR, "tokens_reload_failed", error=str(exc), kept="previous")
         for proc in procs.values():
             if proc.pid is not None and proc.is_alive():
                 os.kill(proc.pid, signal.SIGHUP)
@@ -99,9 +108,16 @@ def supervise(
             start(index)
         _await_ready(ready, procs, workers)
         if options.metrics_listen is not None:
-            metrics_http = _serve_metrics(options.metrics_listen, metrics_dir)
+            status_http, status_store = _serve_status(options, metrics_dir)
         address = join_host_port(host, port)
-        event(_log, logging.INFO, "workers_serving", address=address, workers=workers)
+        event(
+            _log,
+            logging.INFO,
+            "workers_serving",
+            address=address,
+            workers=workers,
+            metrics=status_http.address if status_http is not None else "off",
+        )
         if ready_file is not None:
             write_atomically(ready_file, address)
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -124,9 +140,10 @@ def supervise(
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        if metrics_http is not None:
-            metrics_http.shutdown()
-            metrics_http.server_close()
+        if status_http is not None:
+            status_http.stop()
+        if status_store is not None:
+            status_store.close()
         holder.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
@@ -172,14 +189,41 @@ def _await_ready(ready: Any, procs: dict[int, BaseProcess], workers: int) -> Non
         serving += 1
 
 
-def _serve_metrics(listen: str, metrics_dir: str) -> Any:
-    from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+def _serve_status(options: ServerOptions, metrics_dir: str) -> tuple[StatusThread, Store]:
+    """The HTTP side of the supervisor: the status page over the store (returned too: the
+    caller closes it after the thread), and /metrics adding up the workers' counters."""
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    from rngcoord.server.audit import Chain, load_key
+    from rngcoord.server.status import StatusServer, StoreSource
+    from rngcoord.server.stores import open_store
 
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=metrics_dir)  # type: ignore[no-untyped-call]
-    host, port = split_host_port(listen)
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server
+    key = load_key(str(options.audit_key)) if options.audit_key is not None else None
+    tokens = load_tokens(options.tokens) if options.tokens is not None else None
+    store = open_store(options.db_url)
+    server = StatusServer(
+        StoreSource(store, Chain(store.store_id, key)),
+        registry,
+        tokens,
+        open_access=options.status_open,
+    )
+    host, port = split_host_port(options.metrics_listen or "")
+    try:
+        status = StatusThread(server, host, port)
+    except BaseException:
+        store.close()
+        raise
+    if server.is_open:
+        event(
+            _log,
+            logging.WARNING,
+            "status_page_open",
+            address=status.address,
+            reason="--status-open" if options.status_open else "no token file",
+        )
+    return status, store
 
 
 def _worker_main(options: ServerOptions, ready: Any, level: int, grace_s: float) -> None:

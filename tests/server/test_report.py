@@ -1,0 +1,202 @@
+"""`rngcoord report`: one offline HTML file per job, from a real store written by a real
+coordinator; readable (bounded) at 100,000 grants; never creates a store."""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+import pytest
+from test_status import browser_missing, chromium
+
+from harness import CoordinatorProcess, join_all, run_cli
+from rngcoord.server import queries
+from rngcoord.server.audit import Chain
+from rngcoord.server.report import MAX_BARS
+from rngcoord.server.sqlite import SqliteStore
+from rngcoord.server.store import Tx
+from rngcoord.v1 import coordinator_pb2 as pb
+from rngcoord.v1 import coordinator_pb2_grpc
+
+JOB = "report-job"
+
+
+def _grants(
+    stub: coordinator_pb2_grpc.CoordinatorStub,
+    group: str,
+    epoch: int,
+    members: list[str],
+    seqs: range,
+) -> None:
+    for seq in seqs:
+        for rank, member_id in enumerate(members):
+            stub.Reserve(
+                pb.ReserveRequest(
+                    job=JOB,
+                    group=group,
+                    epoch=epoch,
+                    seq=seq,
+                    size=64,
+                    fingerprint=b"f",
+                    rank=rank,
+                    member_id=member_id,
+                ),
+                timeout=10,
+            )
+
+
+def build_history(server: CoordinatorProcess) -> None:
+    """Job `JOB`: groups "a" and "b" of 2 ranks with 4 leases each; group "elastic" whose
+    epoch 1 grants 4 leases, whose epoch 2 (new members) restores seq 0 to cursor 64 by both
+    members' votes, then grants 3."""
+    stub = server.stub()
+    for group in ("a", "b"):
+        replies = join_all(stub, JOB, group, 2)
+        _grants(stub, group, replies[0].epoch, list(replies[0].members), range(4))
+    first = join_all(stub, JOB, "elastic", 2)
+    _grants(stub, "elastic", first[0].epoch, list(first[0].members), range(4))
+    second = join_all(stub, JOB, "elastic", 2)
+    epoch, members = second[0].epoch, list(second[0].members)
+    assert epoch == first[0].epoch + 1
+
+    def vote(rank: int) -> None:
+        stub.Restore(
+            pb.RestoreRequest(
+                job=JOB,
+                group="elastic",
+                epoch=epoch,
+                seq=0,
+                cursor=64,
+                rank=rank,
+                member_id=members[rank],
+                timeout_ms=10_000,
+            ),
+            timeout=20,
+        )
+
+    voters = [threading.Thread(target=vote, args=(rank,)) for rank in range(2)]
+    for t in voters:
+        t.start()
+    for t in voters:
+        t.join()
+    _grants(stub, "elastic", epoch, members, range(3))
+
+
+@pytest.fixture(scope="module")
+def history(module_store_url: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The URL of a store holding `build_history`'s job (the server has stopped), once per
+    backend."""
+    workdir = tmp_path_factory.mktemp("report")
+    server = CoordinatorProcess(module_store_url, workdir / "server")
+    try:
+        server.start()
+        build_history(server)
+        assert server.terminate() == 0
+    finally:
+        server.close()
+    return server.db_url
+
+
+def _report(db_url: str, out: Path, job: str = JOB) -> str:
+    done = run_cli("report", "--db", db_url, "--job", job, "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_report_draws_each_group_with_epochs_leases_and_the_restore(
+    history: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "report.html"
+    assert "3 groups, 15 leases" in _report(history, out)
+    page = out.read_text()
+    assert page.count('<section class="group"') == 3
+    assert page.count("<svg") == 3
+    # Self-contained: nothing to fetch, nothing to run.
+    assert "<script" not in page and not re.search(r'(src|href)="(https?:)?//', page)
+    summary = dict(re.findall(r'data-group="([^"]+)" data-epochs="(\d+)"', page))
+    assert summary == {"a": "1", "b": "1", "elastic": "2"}
+    elastic = page[page.index('data-group="elastic">') :]
+    assert "epoch 1 (2 ranks)" in elastic and "epoch 2 (2 ranks)" in elastic
+    assert "restore: epoch 2 seq 0 to 64" in elastic
+    assert elastic.count('id="g2-lease-1-') == 4 and elastic.count('id="g2-lease-2-') == 3
+
+
+def test_report_refuses_a_missing_store_or_job_and_creates_nothing(tmp_path: Path) -> None:
+    missing = tmp_path / "none.db"
+    done = run_cli("report", "--db", f"sqlite:///{missing}", "--job", JOB, "-o", "x.html")
+    assert done.returncode == 2 and "no rngcoord store" in done.stderr
+    assert not missing.exists()
+    SqliteStore(tmp_path / "empty.db", create=True).close()
+    empty = f"sqlite:///{tmp_path / 'empty.db'}"
+    done = run_cli("report", "--db", empty, "--job", "nope", "-o", str(tmp_path / "x.html"))
+    assert done.returncode == 2 and "has no job 'nope'" in done.stderr
+    assert not (tmp_path / "x.html").exists()
+
+
+@pytest.mark.slow
+def test_report_renders_in_chromium(history: str, tmp_path: Path) -> None:
+    reason = browser_missing()
+    if reason is not None:
+        pytest.skip(reason)
+    out = tmp_path / "report.html"
+    _report(history, out)
+    driver = chromium()
+    try:
+        driver.get(out.as_uri())
+        seen = driver.execute_script(
+            """
+            const groups = [...document.querySelectorAll("section.group")];
+            return groups.map(s => ({
+              group: s.dataset.group,
+              width: s.querySelector("svg").getBoundingClientRect().width,
+              texts: [...s.querySelectorAll("svg text")].map(t => t.textContent),
+              bands: s.querySelectorAll("svg [id*='-epoch-']").length,
+              restores: s.querySelectorAll("svg [id*='-restore-']").length,
+            }));
+            """
+        )
+    finally:
+        driver.quit()
+    assert [g["group"] for g in seen] == ["a", "b", "elastic"]
+    assert all(g["width"] > 300 for g in seen)
+    elastic = seen[2]
+    assert elastic["bands"] == 2 and elastic["restores"] == 1
+    assert {"epoch 1 (2 ranks)", "epoch 2 (2 ranks)"} <= set(elastic["texts"])
+    assert "restore: epoch 2 seq 0 to 64" in elastic["texts"]
+    assert [g["bands"] for g in seen[:2]] == [1, 1]
+
+
+def _many_grants(tx: Tx, grants: int, chain: Chain) -> None:
+    queries.insert_job(tx, "big", 1, 1_000_000)
+    queries.insert_group(tx, "big", "g", 2)
+    queries.insert_epoch(tx, "big", "g", 1, world_size=1, start=0, digest=b"", now_us=1_000_000)
+    tx.executemany(
+        'INSERT INTO leases (job, grp, epoch, seq, start, "end", size, fingerprint, rank, '
+        "member_id, created_us) VALUES ('big', 'g', 1, ?, ?, ?, ?, X'00', 0, 'm', ?)",
+        [
+            (
+                seq,
+                (seq << 10) - (1 << 63),
+                ((seq + 1) << 10) - (1 << 63),
+                1024 - (1 << 63),
+                1_000_000 + seq * 1000,
+            )
+            for seq in range(grants)
+        ],
+    )
+    tx.execute("UPDATE groups SET high_water = ? WHERE job = 'big'", ((grants << 10) - (1 << 63),))
+
+
+@pytest.mark.slow
+def test_report_of_100000_grants_draws_at_most_max_bars(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "big.db", create=True)
+    try:
+        store.write(lambda tx: _many_grants(tx, 100_000, Chain(store.store_id)))
+    finally:
+        store.close()
+    out = tmp_path / "big.html"
+    assert "1 groups, 100000 leases" in _report(f"sqlite:///{tmp_path / 'big.db'}", out, "big")
+    page = out.read_text()
+    assert page.count('id="g0-lease-1-') == MAX_BARS
+    assert len(page) < 1_500_000
