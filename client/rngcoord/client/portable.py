@@ -336,10 +336,13 @@ def _random_converter(low: int, span: int, dtype: torch.dtype) -> tuple[int, Con
     if span <= 1 << 32:
         return 4, lambda w: torch.stack(w, dim=1).remainder_(span).add_(low).to(dtype)
 
+    def value(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+        v = (hi & 0x7FFFFFFF) * (1 << 32) + lo
+        # 63 bits are already below a 2^63 span (which int64 cannot hold as a divisor).
+        return (v if span == 1 << 63 else v.remainder_(span)).add_(low)
+
     def convert(w: Words) -> torch.Tensor:
-        a = ((w[0] & 0x7FFFFFFF) * (1 << 32) + w[1]).remainder_(span).add_(low)
-        b = ((w[2] & 0x7FFFFFFF) * (1 << 32) + w[3]).remainder_(span).add_(low)
-        return torch.stack((a, b), dim=1).to(dtype)
+        return torch.stack((value(w[0], w[1]), value(w[2], w[3])), dim=1).to(dtype)
 
     return 2, convert
 
