@@ -158,13 +158,19 @@ def test_layout_of_each_distribution() -> None:
         ((w[2 * i] & 0x7FFFFFFF) * 2**32 + w[2 * i + 1]) % ((1 << 40) + 1) for i in range(n)
     ]
     assert wide.tolist() == expected
-    # Normal pairs (cos, sin) of one Box-Muller draw share a radius.
+    # Normal pairs of one Box-Muller draw share a radius and give the documented angle.
     z = normal(SEED, 3, (8,), dtype=torch.float64).values
-    assert math.isclose(z[0] ** 2 + z[1] ** 2, -2 * math.log(
-        ((w[0] >> 5) * 2**26 + (w[1] >> 6) + 1) * 2.0**-53), rel_tol=1e-12)  # fmt: skip
+    u1 = ((w[0] >> 5) * 2**26 + (w[1] >> 6) + 1) * 2.0**-53
+    t = ((w[2] & 0x3FFFFFFF) * 2**21 + (w[3] >> 11)) * 2.0**-51 * math.pi / 2 - math.pi / 4
+    a = (w[2] >> 30) * math.pi / 2 + t
+    r = math.sqrt(-2 * math.log(u1))
+    assert math.isclose(z[0], r * math.cos(a), rel_tol=1e-12, abs_tol=1e-12)
+    assert math.isclose(z[1], r * math.sin(a), rel_tol=1e-12, abs_tol=1e-12)
     z32 = normal(SEED, 3, (8,)).values.double()
-    r2 = -2 * math.log(float(torch.tensor(w[2] + 1, dtype=torch.float32)) * 2.0**-32)
-    assert math.isclose(z32[2] ** 2 + z32[3] ** 2, r2, rel_tol=1e-5)
+    r = math.sqrt(-2 * math.log(float(torch.tensor(w[2] + 1, dtype=torch.float32)) * 2.0**-32))
+    a = (w[3] >> 30) * math.pi / 2 + (w[3] & 0x3FFFFFFF) * 2.0**-30 * math.pi / 2 - math.pi / 4
+    assert math.isclose(z32[2], r * math.cos(a), rel_tol=1e-5, abs_tol=1e-5)
+    assert math.isclose(z32[3], r * math.sin(a), rel_tol=1e-5, abs_tol=1e-5)
 
 
 def draws(dtype: torch.dtype, device: str = "cpu") -> dict[str, Drawer]:
@@ -320,20 +326,20 @@ def test_normal_moments(dtype: torch.dtype) -> None:
     assert abs(shifted.std().item() - 0.5) < 0.01
 
 
-def test_portable_log_and_sincos_are_accurate() -> None:
-    u = torch.rand(1 << 14, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    u = u.clamp_min(1e-300)
+def test_portable_log_and_angles_are_accurate() -> None:
+    gen = torch.Generator().manual_seed(1)
+    u = torch.rand(1 << 14, dtype=torch.float64, generator=gen).clamp_min(1e-300)
+    quadrant = torch.randint(0, 4, (1 << 14,), generator=gen)
+    t = (torch.rand(1 << 14, dtype=torch.float64, generator=gen) - 0.5) * (math.pi / 2)
     for dtype, log_terms, trig_terms, tol in (
-        (torch.float64, 11, 10, 4e-15),
-        (torch.float32, 5, 7, 4e-7),
+        (torch.float64, 11, 8, 4e-15),
+        (torch.float32, 5, 5, 4e-7),
     ):
         x = u.to(dtype)
         exact = torch.log(x.double())
-        assert (
-            (portable._log(x, log_terms).double() - exact).abs() <= tol * exact.abs() + tol
-        ).all()
-        sin, cos = portable._sincos_turns(x, trig_terms)
-        angle = 2 * math.pi * x.double()
+        assert ((portable._log(x, log_terms).double() - exact).abs() <= tol * exact.abs()).all()
+        cos, sin = portable._angle(quadrant, t.to(dtype), trig_terms)
+        angle = quadrant.double() * (math.pi / 2) + t.to(dtype).double()
         assert (sin.double() - torch.sin(angle)).abs().max().item() < tol
         assert (cos.double() - torch.cos(angle)).abs().max().item() < tol
 

@@ -101,23 +101,28 @@ def split_key(seed: int) -> tuple[int, int]:
 
 
 def _rounds_fast(
-    c: list[torch.Tensor], p0: torch.Tensor, p1: torch.Tensor, key: tuple[int, int]
-) -> None:
+    c: Sequence[torch.Tensor], p0: torch.Tensor, p1: torch.Tensor, key: tuple[int, int]
+) -> Words:
+    """The rounds with wrapping int64 products, on six same-shaped buffers it may reuse."""
+    c0, c1, c2, c3 = c
     k0, k1 = key
     for r in range(ROUNDS):
-        torch.mul(c[0], M0, out=p0)
-        torch.mul(c[2], M1, out=p1)
+        torch.mul(c0, M0, out=p0)
+        torch.mul(c2, M1, out=p1)
         # c0' = hi(M1*c2) ^ c1 ^ k0, c1' = lo(M1*c2), c2' = hi(M0*c0) ^ c3 ^ k1, c3' = lo(M0*c0).
-        # The product wrapped modulo 2^64; an arithmetic shift then a mask gives its high word.
-        torch.bitwise_right_shift(p1, 32, out=c[0])
-        c[0].bitwise_and_(_MASK32).bitwise_xor_(c[1]).bitwise_xor_(k0)
-        torch.bitwise_right_shift(p0, 32, out=c[2])
-        c[2].bitwise_and_(_MASK32).bitwise_xor_(c[3]).bitwise_xor_(k1)
-        torch.bitwise_and(p1, _MASK32, out=c[1])
-        torch.bitwise_and(p0, _MASK32, out=c[3])
+        # The products wrap modulo 2^64, so an arithmetic shift leaves their high word in the
+        # low 32 bits. c1' and c3' keep the whole product: only their low 32 bits ever reach
+        # c0'' and c2'', which are masked before they are multiplied.
+        torch.bitwise_right_shift(p1, 32, out=c0)
+        c0.bitwise_xor_(c1).bitwise_xor_(k0).bitwise_and_(_MASK32)
+        torch.bitwise_right_shift(p0, 32, out=c2)
+        c2.bitwise_xor_(c3).bitwise_xor_(k1).bitwise_and_(_MASK32)
+        c1, p1 = p1, c1
+        c3, p0 = p0, c3
         if r + 1 < ROUNDS:
             k0 = (k0 + W0) & _MASK32
             k1 = (k1 + W1) & _MASK32
+    return c0, c1.bitwise_and_(_MASK32), c2, c3.bitwise_and_(_MASK32)
 
 
 def _mulhilo_exact(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,15 +134,17 @@ def _mulhilo_exact(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]
     return hi, lo
 
 
-def _rounds_exact(c: list[torch.Tensor], key: tuple[int, int]) -> None:
+def _rounds_exact(c: Sequence[torch.Tensor], key: tuple[int, int]) -> Words:
+    c0, c1, c2, c3 = c
     k0, k1 = key
     for r in range(ROUNDS):
-        hi0, lo0 = _mulhilo_exact(c[0], M0)
-        hi1, lo1 = _mulhilo_exact(c[2], M1)
-        c[0], c[1], c[2], c[3] = hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0
+        hi0, lo0 = _mulhilo_exact(c0, M0)
+        hi1, lo1 = _mulhilo_exact(c2, M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
         if r + 1 < ROUNDS:
             k0 = (k0 + W0) & _MASK32
             k1 = (k1 + W1) & _MASK32
+    return c0, c1, c2, c3
 
 
 def philox4x32(
@@ -162,12 +169,8 @@ def philox4x32(
         raise ValueError(f"a Philox4x32 key is two words in [0, 2^32), got {key!r}")
     c = [w.to(torch.int64).clone() for w in counter]
     if exact:
-        _rounds_exact(c, key)
-    else:
-        p0 = torch.empty_like(c[0])
-        p1 = torch.empty_like(c[0])
-        _rounds_fast(c, p0, p1, key)
-    return c[0], c[1], c[2], c[3]
+        return _rounds_exact(c, key)
+    return _rounds_fast(c, torch.empty_like(c[0]), torch.empty_like(c[0]), key)
 
 
 def fast_path_ok(device: torch.device) -> bool:
@@ -259,11 +262,8 @@ def philox_blocks(
         cw[0].bitwise_and_(_MASK32)
         cw[2].zero_()
         cw[3].zero_()
-        if fast:
-            _rounds_fast(cw, p0[:m], p1[:m], key)
-        else:
-            _rounds_exact(cw, key)
-        rows = to_rows((cw[0], cw[1], cw[2], cw[3]))
+        words = _rounds_fast(cw, p0[:m], p1[:m], key) if fast else _rounds_exact(cw, key)
+        rows = to_rows(words)
         if out is None:
             out = torch.empty((flat.numel(), rows.shape[1]), dtype=rows.dtype, device=flat.device)
         out[start : start + m] = rows

@@ -20,13 +20,15 @@ uniform float32         4     ``(w >> 8) * 2^-24``: 24 bits, in [0, 1)
 uniform float16         4     ``(w >> 21) * 2^-11``: 11 bits, in [0, 1)
 uniform bfloat16        4     ``(w >> 24) * 2^-8``: 8 bits, in [0, 1)
 uniform float64         2     ``((wa >> 5) * 2^26 + (wb >> 6)) * 2^-53``: 53 bits, in [0, 1)
-normal float32/16/bf16  4     Box-Muller on a word pair, in float32: elements ``2j, 2j+1``
-                              of a block are ``r cos t, r sin t`` with
-                              ``u1 = float32(w_2j + 1) * 2^-32`` in (0, 1],
-                              ``u2 = float32(w_2j+1) * 2^-32``, ``r = sqrt(-2 ln u1)``,
-                              ``t = 2 pi u2`` (tails to 6.66 sigma)
-normal float64          2     Box-Muller on 53-bit ``u1`` in (0, 1] (``w0, w1``) and ``u2``
-                              (``w2, w3``): elements ``2q, 2q+1`` are ``r cos t, r sin t``
+normal float32/16/bf16  4     Box-Muller on a word pair ``(wa, wb) = (w_2j, w_2j+1)``, in
+                              float32: elements ``2j, 2j+1`` of a block are
+                              ``r cos a, r sin a``, ``r = sqrt(-2 ln u1)``,
+                              ``u1 = float32(wa + 1) * 2^-32`` in (0, 1] (tails to 6.66
+                              sigma), ``a = (wb >> 30) pi/2 + t``,
+                              ``t = (wb & 0x3FFFFFFF) * 2^-30 * pi/2 - pi/4``
+normal float64          2     the same in float64 with ``u1`` from ``w0, w1`` (53 bits, plus
+                              ``2^-53``), the quadrant ``w2 >> 30`` and ``t`` from 51 bits
+                              (the low 30 of ``w2``, the high 21 of ``w3``)
 bernoulli(p), dropout   4     ``1`` when ``w < ceil(p * 2^32)``, i.e. ``w * 2^-32 < p``
 randint, range <= 2^32  4     ``low + w % range``
 randint, range > 2^32   2     ``low + ((wa & 0x7FFFFFFF) * 2^32 + wb) % range`` (range <= 2^63)
@@ -259,39 +261,45 @@ def _log(u: torch.Tensor, terms: int) -> torch.Tensor:
     return ef.mul_(math.log(2.0)).add_(log_m)
 
 
-def _sincos_turns(u: torch.Tensor, terms: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sin, cos) of 2 pi u for u in [0, 1], in u's dtype, from exactly rounded operations."""
-    x = u * 4.0
-    quadrant = torch.round(x)
-    t = (x - quadrant).mul_(math.pi / 2)  # in [-pi/4, pi/4]
+def _sincos(t: torch.Tensor, terms: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sin t, cos t) for t in [-pi/4, pi/4], in t's dtype, from exactly rounded operations."""
     t2 = t * t
-    # Taylor series in t^2: sin t = t (1 - t^2/3! + ...), cos t = 1 - t^2/2! + ...
+    # sin t = t (1 - t^2/3! + t^4/5! - ...), Horner in t^2; cos t >= 0.7 here, so
+    # sqrt(1 - sin^2) loses nothing and saves a second series.
     sin_t = torch.full_like(t, (-1) ** (terms - 1) / math.factorial(2 * terms - 1))
-    cos_t = torch.full_like(t, (-1) ** (terms - 1) / math.factorial(2 * terms - 2))
     for k in range(terms - 2, -1, -1):
         sin_t = sin_t.mul_(t2).add_((-1) ** k / math.factorial(2 * k + 1))
-        cos_t = cos_t.mul_(t2).add_((-1) ** k / math.factorial(2 * k))
     sin_t.mul_(t)
-    q = quadrant.to(torch.int64).bitwise_and_(3)
-    odd = (q & 1) == 1
-    # Rotating by q quarter turns: q=1 gives (cos, sin) = (-sin t, cos t), q=2 negates both.
+    cos_t = (sin_t * sin_t).neg_().add_(1.0).sqrt_()
+    return sin_t, cos_t
+
+
+def _angle(
+    quadrant: torch.Tensor, t: torch.Tensor, terms: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of ``quadrant * pi/2 + t``, quadrant an int64 tensor in 0..3."""
+    sin_t, cos_t = _sincos(t, terms)
+    # A quarter turn maps (cos, sin) to (-sin, cos): odd quadrants swap, and the signs follow.
+    odd = (quadrant & 1).bool()
     cos_v = torch.where(odd, sin_t, cos_t)
     sin_v = torch.where(odd, cos_t, sin_t)
-    cos_v = torch.where((q == 1) | (q == 2), -cos_v, cos_v)
-    sin_v = torch.where(q >= 2, -sin_v, sin_v)
-    return sin_v, cos_v
+    cos_v = torch.where(((quadrant + 1) & 2).bool(), -cos_v, cos_v)  # quadrants 1, 2
+    sin_v = torch.where((quadrant & 2).bool(), -sin_v, sin_v)  # quadrants 2, 3
+    return cos_v, sin_v
 
 
-def _box_muller(u1: torch.Tensor, u2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Standard normals ``(r cos t, r sin t)`` from u1 in (0, 1] and u2 in [0, 1].
+def _box_muller(
+    u1: torch.Tensor, quadrant: torch.Tensor, t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Standard normals ``(r cos a, r sin a)``, ``r = sqrt(-2 ln u1)``, ``a = quadrant pi/2 + t``.
 
-    float64 inputs use series accurate to ~1e-16, float32 ones to ~1e-8 (both below the
-    dtype's rounding).
+    u1 in (0, 1], t in [-pi/4, pi/4). float64 inputs use series accurate to ~1e-16, float32
+    ones to ~1e-9 (both below the dtype's rounding).
     """
     precise = u1.dtype == torch.float64
     r = _log(u1, 11 if precise else 5).mul_(-2.0).sqrt_()
-    sin_t, cos_t = _sincos_turns(u2, 10 if precise else 7)
-    return r * cos_t, r * sin_t
+    cos_a, sin_a = _angle(quadrant, t, 8 if precise else 5)
+    return cos_a.mul_(r), sin_a.mul_(r)
 
 
 def _normal_converter(dtype: torch.dtype, mean: float, std: float) -> tuple[int, Converter]:
@@ -306,15 +314,19 @@ def _normal_converter(dtype: torch.dtype, mean: float, std: float) -> tuple[int,
 
         def convert64(w: Words) -> torch.Tensor:
             u1 = _unit53(w[0], w[1]).add_(2.0**-53)
-            return affine(torch.stack(_box_muller(u1, _unit53(w[2], w[3])), dim=1))
+            # 51 bits of angle within the quadrant: the low 30 of w2, the high 21 of w3.
+            frac = ((w[2] & 0x3FFFFFFF) * (1 << 21) + (w[3] >> 11)).to(torch.float64)
+            t = frac.mul_(math.pi / 2 * 2.0**-51).sub_(math.pi / 4)
+            return affine(torch.stack(_box_muller(u1, w[2] >> 30, t), dim=1))
 
         return 2, convert64
 
     def convert32(w: Words) -> torch.Tensor:
         # (w + 1) * 2^-32 in (0, 1] rounds to 24 bits but keeps the tail out to 6.66 sigma.
         u1 = torch.stack((w[0], w[2]), dim=1).add_(1).to(torch.float32).mul_(2.0**-32)
-        u2 = torch.stack((w[1], w[3]), dim=1).to(torch.float32).mul_(2.0**-32)
-        z_cos, z_sin = _box_muller(u1, u2)
+        angle = torch.stack((w[1], w[3]), dim=1)
+        t = (angle & 0x3FFFFFFF).to(torch.float32).mul_(math.pi / 2 * 2.0**-30)
+        z_cos, z_sin = _box_muller(u1, angle >> 30, t.sub_(math.pi / 4))
         # Block order: words (0, 1) give elements 0, 1 and words (2, 3) elements 2, 3.
         z = torch.stack((z_cos, z_sin), dim=2).view(-1, 4)
         return affine(z).to(dtype)
