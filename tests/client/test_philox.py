@@ -377,6 +377,7 @@ def test_dropout() -> None:
     assert not none.any() and not zeros.any()
     same, ones, used = dropout(SEED, 0, (4, 10), None, x, p=0.5, train=False)
     assert torch.equal(same, x) and ones.all() and used == 0
+    assert torch.equal(dropout(SEED, 0, (4, 10), None, x, p=0.25, train=None)[0], output)
 
 
 # -- the entry point -------------------------------------------------------------------

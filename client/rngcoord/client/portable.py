@@ -597,7 +597,7 @@ def dropout(
     local_input: torch.Tensor,
     *,
     p: float,
-    train: bool = True,
+    train: bool | None = True,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``torch.native_dropout`` of the local shard: ``(output, mask, offsets consumed)``.
 
@@ -614,7 +614,8 @@ def dropout(
             ``None`` for the whole tensor.
         local_input: The local shard of the input, of the box's shape.
         p: The probability of dropping an element, in ``[0, 1]``.
-        train: Whether to drop. Default ``True``.
+        train: Whether to drop; ``None`` means ``True``, as in ``native_dropout``. Default
+            ``True``.
 
     Returns:
         The local output, the local bool mask, and the offsets consumed (``ceil(numel / 4)``
@@ -626,7 +627,7 @@ def dropout(
             f"the input has shape {tuple(local_input.shape)}, the local box is {box.local_shape}"
         )
     drop = _probability(p)
-    if not train:
+    if train is not None and not train:
         return local_input.clone(), torch.ones_like(local_input, dtype=torch.bool), 0
     keep = 1.0 - drop
     mask = bernoulli(seed, base_offset, box.global_shape, box.ranges, p=keep,
@@ -700,7 +701,8 @@ def _plan(op: str, kw: dict[str, Any], dtype: torch.dtype) -> tuple[str, dict[st
         if "high" not in kw:
             raise TypeError("randint_like needs high")
         return "randint", {"low": kw.get("low", 0), "high": kw["high"]}
-    return "dropout", {"p": kw.get("p"), "train": kw.get("train", True)}
+    train = kw.get("train")
+    return "dropout", {"p": kw.get("p"), "train": train is None or bool(train)}
 
 
 def offsets_consumed(
