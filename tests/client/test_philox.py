@@ -25,6 +25,7 @@ from rngcoord.client.portable import (
     SUPPORTED_OPS,
     bernoulli,
     bernoulli_tensor,
+    bind_op_args,
     dropout,
     normal,
     offsets_consumed,
@@ -417,6 +418,41 @@ def test_portable_fill_matches_the_distributions() -> None:
     expected, expected_mask, _ = dropout(SEED, 9, shape, ranges, x, p=0.3)
     assert portable_fill_("native_dropout", x, **where, p=0.3, train=True, mask_out=mask) == 15
     assert torch.equal(x, expected) and torch.equal(mask, expected_mask)
+
+
+def test_bind_op_args_names_aten_arguments() -> None:
+    aten = torch.ops.aten
+    x = torch.empty(3)
+    assert bind_op_args(aten.uniform_.default, (x, -1.0, 2.0), {"generator": None}) == {
+        "from": -1.0,
+        "to": 2.0,
+    }
+    assert bind_op_args(aten.normal_.default, (x,), {"std": 3.0}) == {"std": 3.0}
+    assert bind_op_args(aten.native_dropout.default, (x, 0.1, None), {}) == {
+        "p": 0.1,
+        "train": None,
+    }
+    assert bind_op_args(aten.randint_like.low_dtype, (x, 2, 9), {"dtype": torch.int64}) == {
+        "low": 2,
+        "high": 9,
+    }
+    assert bind_op_args(aten.rand.default, ([2, 3],), {"device": "cpu"}) == {}
+    assert bind_op_args(aten.bernoulli.default, (x,), {})["p"] is x
+    assert bind_op_args(getattr(aten.random_, "from"), (x, 0, 5), {}) == {"from": 0, "to": 5}
+    local = torch.empty(4, 3)
+    where: dict[str, Any] = {
+        "seed": SEED,
+        "base_offset": 2,
+        "global_shape": (8, 3),
+        "local_ranges": [(4, 4), (0, 3)],
+    }
+    portable_fill_(
+        str(aten.uniform_.default),
+        local,
+        **where,
+        **bind_op_args(aten.uniform_.default, (local, -1.0, 2.0), {}),
+    )
+    assert torch.equal(local, uniform(SEED, 2, (8, 3), [(4, 4), (0, 3)], low=-1.0, high=2.0).values)
 
 
 def test_portable_fill_rejects_what_it_cannot_do() -> None:

@@ -61,6 +61,7 @@ Entry points for the tracker
   ``randint_like``, ``native_dropout`` and ``dropout`` (:data:`SUPPORTED_OPS`). Names may be
   given as ``"uniform_"`` or as the OpOverload's ``"aten.uniform_.default"``.
 - :func:`offsets_consumed` gives an op's offsets without drawing.
+- :func:`bind_op_args` turns an aten call's ``(args, kwargs)`` into their keyword arguments.
 - :func:`uniform`, :func:`normal`, :func:`bernoulli`, :func:`bernoulli_tensor`,
   :func:`randint` and :func:`dropout` return new local tensors.
 """
@@ -68,7 +69,7 @@ Entry points for the tracker
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, NamedTuple
@@ -703,6 +704,36 @@ def _plan(op: str, kw: dict[str, Any], dtype: torch.dtype) -> tuple[str, dict[st
         return "randint", {"low": kw.get("low", 0), "high": kw["high"]}
     train = kw.get("train")
     return "dropout", {"p": kw.get("p"), "train": train is None or bool(train)}
+
+
+# TensorOptions arguments of factory and *_like ops: the local tensor already has them.
+_TENSOR_OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory", "memory_format"})
+
+
+def bind_op_args(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments for :func:`portable_fill_` of an aten OpOverload call.
+
+    Binds the positional arguments after the first (``self``, ``input`` or ``size``) to their
+    schema names, drops TensorOptions (``dtype``, ``device``...: the local tensor has them)
+    and a ``None`` generator, and gives ``bernoulli.default`` its input as ``p``.
+
+    Args:
+        op: The OpOverload (``torch.ops.aten.uniform_.default``...), as DTensor dispatches it.
+        args: Its positional arguments, the first included (local tensors for tensor args).
+        kwargs: Its keyword arguments.
+    """
+    names = [argument.name for argument in op._schema.arguments]
+    if len(args) > len(names):
+        raise TypeError(f"{op} takes {len(names)} arguments, got {len(args)}")
+    bound = dict(zip(names[1:], args[1:], strict=False))
+    bound.update(kwargs)
+    for name in _TENSOR_OPTIONS & bound.keys():
+        del bound[name]
+    if bound.get("generator", 0) is None:
+        del bound["generator"]
+    if _op_key(str(op)) == "bernoulli" and "p" not in bound and args:
+        bound["p"] = args[0]
+    return bound
 
 
 def offsets_consumed(
