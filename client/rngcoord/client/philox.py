@@ -79,9 +79,10 @@ KNOWN_ANSWERS: tuple[tuple[tuple[int, int, int, int], tuple[int, int], tuple[int
 )
 
 _MASK32 = 0xFFFFFFFF
-# Counters per chunk: the round's working set (6 int64 tensors, 3 MiB) stays in cache, which
-# matters more on CPU than the per-op launch cost.
-_CHUNK = 1 << 16
+# Counters per chunk. On CPU the round's working set (6 int64 tensors, 3 MiB) then stays in
+# cache; on accelerators each op is a kernel launch, so chunks are large (6 x 32 MiB).
+_CHUNK_CPU = 1 << 16
+_CHUNK_ACCELERATOR = 1 << 22
 
 Words = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -214,7 +215,7 @@ def philox_blocks(
     blocks: torch.Tensor,
     *,
     convert: Callable[[Words], torch.Tensor] | None = None,
-    chunk: int = _CHUNK,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """The Philox blocks at positions ``base_offset + blocks``, for the key of ``seed``.
 
@@ -226,7 +227,8 @@ def philox_blocks(
         convert: Maps the four words of ``m`` blocks (int64 tensors of shape ``[m]``) to an
             ``[m, E]`` tensor, applied chunk by chunk while the words are in cache. Default
             ``None``: the words themselves (``E = 4``).
-        chunk: Counters computed per step, which bounds the working memory. Default 65536.
+        chunk: Counters computed per step, which bounds the working memory. Default
+            ``None``: 2^16 on CPU (cache-sized), 2^22 on other devices.
 
     Returns:
         Tensor of shape ``[len(blocks), E]``: ``convert``'s rows of each block, or the words
@@ -235,10 +237,12 @@ def philox_blocks(
     key = split_key(seed)
     if not isinstance(base_offset, int) or not 0 <= base_offset < POSITION_LIMIT:
         raise ValueError(f"base_offset must be an int in [0, 2^64), got {base_offset!r}")
-    if chunk < 1:
-        raise ValueError(f"chunk must be positive, got {chunk}")
     if blocks.dim() != 1:
         raise ValueError(f"blocks must be 1-d, got shape {tuple(blocks.shape)}")
+    if chunk is None:
+        chunk = _CHUNK_CPU if blocks.device.type == "cpu" else _CHUNK_ACCELERATOR
+    if chunk < 1:
+        raise ValueError(f"chunk must be positive, got {chunk}")
     flat = blocks.to(torch.int64)
     to_rows = convert or (lambda w: torch.stack(w, dim=1))
     if flat.numel() == 0:
