@@ -83,7 +83,6 @@ _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # ln 2 split so that e * _LN2_HI is exact for |e| < 2^11 (Cody and Waite).
 _LN2_HI = 6.93147180369123816490e-01
 _LN2_LO = 1.90821492927058770002e-10
-_SQRT_HALF = math.sqrt(0.5)
 
 Range = tuple[int, int]
 
@@ -238,39 +237,49 @@ def _uniform_converter(dtype: torch.dtype) -> tuple[int, Converter]:
 
     def convert(w: Words) -> torch.Tensor:
         # Integers below 2^bits, then a power-of-two scale: exact in the target dtype.
-        return torch.stack(w, dim=1).bitwise_right_shift_(32 - bits).to(dtype).mul_(scale)
+        return torch.stack([(x >> (32 - bits)).to(dtype) for x in w], dim=1).mul_(scale)
 
     return 4, convert
 
 
+# Bit layouts for _log's reduction: (int view dtype, exponent shift, bias, mantissa mask,
+# the bits of sqrt(1/2)).
+_FLOAT_BITS = {
+    torch.float32: (torch.int32, 23, 0x7F, 0x007FFFFF, 0x3F3504F3),
+    torch.float64: (torch.int64, 52, 0x3FF, 0x000FFFFFFFFFFFFF, 0x3FE6A09E667F3BCD),
+}
+
+
+def _horner(x: torch.Tensor, coefficients: Sequence[float]) -> torch.Tensor:
+    """``c0 + c1 x + c2 x^2 + ...``, highest power first, one rounding per step."""
+    acc = x * coefficients[-1]
+    for c in reversed(coefficients[1:-1]):
+        acc.add_(c).mul_(x)
+    return acc.add_(coefficients[0])
+
+
 def _log(u: torch.Tensor, terms: int) -> torch.Tensor:
-    """ln u for u in (0, 1], in u's dtype, from exactly rounded operations only."""
-    m, e = torch.frexp(u)
-    # m in [sqrt(1/2), sqrt(2)) keeps s = (m - 1) / (m + 1) within +-0.1716.
-    low = m < _SQRT_HALF
-    m = torch.where(low, m * 2.0, m)
-    ef = (e - low.to(e.dtype)).to(u.dtype)
-    s = (m - 1.0) / (m + 1.0)
-    s2 = s * s
-    # ln m = 2 atanh s = 2 (s + s^3/3 + s^5/5 + ...), Horner in s^2.
-    poly = torch.full_like(s, 1.0 / (2 * terms - 1))
-    for k in range(terms - 2, -1, -1):
-        poly = poly.mul_(s2).add_(1.0 / (2 * k + 1))
-    log_m = poly.mul_(s).mul_(2.0)
+    """ln u for normal positive u (float32 or float64), from exactly rounded operations only."""
+    int_dtype, shift, bias, mantissa, sqrt_half = _FLOAT_BITS[u.dtype]
+    # u = 2^k m with m in [sqrt(1/2), sqrt(2)), read off the bits: offsetting them by
+    # (1.0 - sqrt(1/2)) carries into the exponent exactly when m would fall below sqrt(1/2).
+    bits = u.view(int_dtype) + ((bias << shift) - sqrt_half)
+    k = (bits >> shift).sub_(bias).to(u.dtype)
+    m = bits.bitwise_and_(mantissa).add_(sqrt_half).view(u.dtype)
+    # s = (m - 1) / (m + 1) is within +-0.1716; ln m = 2 atanh s = 2 (s + s^3/3 + ...).
+    s = (m - 1.0).div_(m + 1.0)
+    log_m = _horner(s * s, [1.0 / (2 * j + 1) for j in range(terms)]).mul_(s).mul_(2.0)
     if u.dtype == torch.float64:
-        return ef * _LN2_HI + (ef * _LN2_LO + log_m)
-    return ef.mul_(math.log(2.0)).add_(log_m)
+        return k * _LN2_HI + (k * _LN2_LO + log_m)
+    return k.mul_(math.log(2.0)).add_(log_m)
 
 
 def _sincos(t: torch.Tensor, terms: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sin t, cos t) for t in [-pi/4, pi/4], in t's dtype, from exactly rounded operations."""
-    t2 = t * t
-    # sin t = t (1 - t^2/3! + t^4/5! - ...), Horner in t^2; cos t >= 0.7 here, so
-    # sqrt(1 - sin^2) loses nothing and saves a second series.
-    sin_t = torch.full_like(t, (-1) ** (terms - 1) / math.factorial(2 * terms - 1))
-    for k in range(terms - 2, -1, -1):
-        sin_t = sin_t.mul_(t2).add_((-1) ** k / math.factorial(2 * k + 1))
-    sin_t.mul_(t)
+    # sin t = t (1 - t^2/3! + t^4/5! - ...); cos t >= 0.7 here, so sqrt(1 - sin^2) loses
+    # nothing and saves a second series.
+    series = [(-1) ** j / math.factorial(2 * j + 1) for j in range(terms)]
+    sin_t = _horner(t * t, series).mul_(t)
     cos_t = (sin_t * sin_t).neg_().add_(1.0).sqrt_()
     return sin_t, cos_t
 
@@ -280,12 +289,13 @@ def _angle(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) of ``quadrant * pi/2 + t``, quadrant an int64 tensor in 0..3."""
     sin_t, cos_t = _sincos(t, terms)
-    # A quarter turn maps (cos, sin) to (-sin, cos): odd quadrants swap, and the signs follow.
-    odd = (quadrant & 1).bool()
-    cos_v = torch.where(odd, sin_t, cos_t)
-    sin_v = torch.where(odd, cos_t, sin_t)
-    cos_v = torch.where(((quadrant + 1) & 2).bool(), -cos_v, cos_v)  # quadrants 1, 2
-    sin_v = torch.where((quadrant & 2).bool(), -sin_v, sin_v)  # quadrants 2, 3
+    # cos(q pi/2) = |q - 2| - 1 and sin(q pi/2) = 1 - |q - 1| for q in 0..3: values in
+    # {-1, 0, 1}, so the rotation below is exact (and cheaper than torch.where on CPU).
+    q = quadrant.to(t.dtype)
+    cos_q = (q - 2.0).abs_().sub_(1.0)
+    sin_q = (q - 1.0).abs_().neg_().add_(1.0)
+    cos_v = (cos_t * cos_q).sub_(sin_t * sin_q)
+    sin_v = (sin_t * cos_q).add_(cos_t * sin_q)
     return cos_v, sin_v
 
 
@@ -323,13 +333,15 @@ def _normal_converter(dtype: torch.dtype, mean: float, std: float) -> tuple[int,
         return 2, convert64
 
     def convert32(w: Words) -> torch.Tensor:
+        m = w[0].numel()
         # (w + 1) * 2^-32 in (0, 1] rounds to 24 bits but keeps the tail out to 6.66 sigma.
-        u1 = torch.stack((w[0], w[2]), dim=1).add_(1).to(torch.float32).mul_(2.0**-32)
-        angle = torch.stack((w[1], w[3]), dim=1)
+        # Both pairs of the blocks in one pass: [first pairs | second pairs].
+        u1 = torch.cat((w[0], w[2])).add_(1).to(torch.float32).mul_(2.0**-32)
+        angle = torch.cat((w[1], w[3]))
         t = (angle & 0x3FFFFFFF).to(torch.float32).mul_(math.pi / 2 * 2.0**-30)
         z_cos, z_sin = _box_muller(u1, angle >> 30, t.sub_(math.pi / 4))
         # Block order: words (0, 1) give elements 0, 1 and words (2, 3) elements 2, 3.
-        z = torch.stack((z_cos, z_sin), dim=2).view(-1, 4)
+        z = torch.stack((z_cos[:m], z_sin[:m], z_cos[m:], z_sin[m:]), dim=1)
         return affine(z).to(dtype)
 
     return 4, convert32
@@ -342,7 +354,7 @@ def _threshold(p: float) -> int:
 
 def _bernoulli_converter(p: float, dtype: torch.dtype) -> tuple[int, Converter]:
     limit = _threshold(p)
-    return 4, lambda w: (torch.stack(w, dim=1) < limit).to(dtype)
+    return 4, lambda w: torch.stack([x < limit for x in w], dim=1).to(dtype)
 
 
 def _random_converter(low: int, span: int, dtype: torch.dtype) -> tuple[int, Converter]:
