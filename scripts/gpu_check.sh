@@ -212,16 +212,17 @@ def checks(rank: int) -> dict[str, str]:
                 torch.equal(raw(cpu.values), raw(gpu.values)) and cpu.offsets == gpu.offsets,
                 "values or offsets differ",
             )
-        x = torch.linspace(-3, 3, math.prod(shape)).reshape(shape)
-        if ranges is not None:
-            x = x[tuple(slice(a, a + n) for a, n in ranges)]
-        out_c, mask_c, _ = portable.dropout(0x5EED, 7, shape, ranges, x, p=0.2)
-        out_g, mask_g, _ = portable.dropout(0x5EED, 7, shape, ranges, x.cuda(), p=0.2)
-        record(
-            f"portable dropout, {where}: CUDA equals CPU bitwise",
-            torch.equal(raw(out_c), raw(out_g)) and torch.equal(raw(mask_c), raw(mask_g)),
-            "output or mask differ",
-        )
+        for dtype in floats:
+            x = torch.linspace(-3, 3, math.prod(shape), dtype=dtype).reshape(shape)
+            if ranges is not None:
+                x = x[tuple(slice(a, a + n) for a, n in ranges)]
+            out_c, mask_c, _ = portable.dropout(0x5EED, 7, shape, ranges, x, p=0.2)
+            out_g, mask_g, _ = portable.dropout(0x5EED, 7, shape, ranges, x.cuda(), p=0.2)
+            record(
+                f"portable dropout {dtype}, {where}: CUDA equals CPU bitwise",
+                torch.equal(raw(out_c), raw(out_g)) and torch.equal(raw(mask_c), raw(mask_g)),
+                "output or mask differ",
+            )
     return results
 
 
