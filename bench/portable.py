@@ -9,7 +9,7 @@ float32 values (``--log2-size``):
 
 Each figure is the median of ``--trials`` timed runs after one warm-up (CUDA synchronized
 around each); ``--threads`` sets torch's CPU threads for both sides. The portable ops run
-~100 small kernels per 65536-block chunk, so on an oversubscribed CPU each kernel's thread
+~100-150 kernels per 2^18-block chunk, so on an oversubscribed CPU each kernel's thread
 barrier costs far more than in torch's single-kernel ops: compare on an idle machine. The
 portable ops draw the whole tensor as one shard, the tracker's heaviest case. Progress lines
 go to stdout; the last line printed is one JSON object with ``ratio_to_torch_<op>_<device>``
