@@ -30,8 +30,11 @@ Any element, hence any contiguous or strided slice, can thus be computed alone.
 Worked example: seed ``0x0000000500000007``, ``base_offset = 10``, a float32 ``uniform_``
 (``E = 4``) of global shape ``(3, 5)``, sharded on dim 1 so a rank holds columns 2..3.
 Element ``(1, 3)`` has global index ``i = 1 * 5 + 3 = 8``: block ``q = 2`` at position
-``P = 12`` with counter ``(12, 0, 0, 0)`` and key ``(7, 5)``, and word ``8 % 4 = 0`` of it.
-The op consumes ``ceil(15 / 4) = 4`` offsets: the next op starts at 14.
+``P = 12`` with counter ``(12, 0, 0, 0)`` and key ``(7, 5)``, whose block is
+``(0x53141b03, 0xb4116e67, 0x46bc994d, 0x4dec45a4)``, and word ``8 % 4 = 0`` of it: the value
+is ``(0x53141b03 >> 8) * 2^-24 = 0.32452553510665894``, on that rank (local ``[1, 1]``) as on
+one device holding the whole tensor. The op consumes ``ceil(15 / 4) = 4`` offsets: the next
+op starts at 14.
 
 Exact arithmetic
 ----------------
