@@ -9,6 +9,7 @@ hypothesis over random shapes (primes, sizes below 4, empty) and boxes in the sl
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -18,6 +19,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Placement
 
 from rngcoord.client import philox, portable
 from rngcoord.client.philox import KNOWN_ANSWERS, philox4x32, philox_blocks
@@ -288,6 +292,39 @@ def test_offsets_consumed_per_dtype_and_range() -> None:
     assert offsets_consumed("random_", (10,), torch.int32) == 3
     assert offsets_consumed("native_dropout", (10,), torch.float32, p=0.1, train=False) == 0
     assert offsets_consumed("aten.uniform_.default", (0, 4), torch.float32) == 0
+
+
+PLACEMENTS = [
+    (Shard(0), Replicate()),
+    (Shard(1), Shard(0)),
+    (Shard(1), Shard(1)),
+    (Replicate(), Shard(2)),
+    (Shard(0), Shard(0)),
+]
+
+
+@pytest.mark.parametrize("placements", PLACEMENTS, ids=str)
+def test_dtensor_shards_tile_the_single_device_draw(placements: tuple[Placement, ...]) -> None:
+    """The recipe for the tracker: ranges from DTensor's own shard arithmetic, on a 2x3 mesh.
+
+    Uneven (7 over 2 and 3) and empty shards included; replicas get identical values.
+    """
+    shape = (7, 5, 3)
+    whole = normal(SEED, 11, shape, dtype=torch.float64).values
+    tiled = torch.full(shape, math.nan, dtype=torch.float64)
+    for coordinate in itertools.product(range(2), range(3)):
+        local_shape, offset = _compute_local_shape_and_global_offset(
+            shape, (2, 3), list(coordinate), placements
+        )
+        ranges = list(zip(offset, local_shape, strict=True))
+        local = torch.empty(local_shape, dtype=torch.float64)
+        consumed = portable_fill_("aten.normal_.default", local, seed=SEED, base_offset=11,
+                                  global_shape=shape, local_ranges=ranges)  # fmt: skip
+        assert consumed == offsets_consumed("normal_", shape, torch.float64) == 53
+        box = tuple(slice(a, a + n) for a, n in ranges)
+        assert torch.equal(local, whole[box])
+        tiled[box] = local
+    assert torch.equal(tiled, whole)
 
 
 # -- the distributions -----------------------------------------------------------------
