@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Checks rngcoord's DTensor tracker on a real CUDA device: the Philox state it sets, replicas
-# and shards, DTensor's run_dtensor_rng_op path, user generators, and a bitwise resume.
+# and shards, DTensor's run_dtensor_rng_op path, user generators, and a bitwise resume; and
+# that the portable (sharding-invariant) random values are the same bits on CUDA as on CPU.
 #
 # Usage: scripts/gpu_check.sh            (from anywhere; on the host or in a compose service)
 #
@@ -51,6 +52,7 @@ cat >"$workdir/gpu_check.py" <<'PY'
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -60,7 +62,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.tensor as dt
 import torch.distributed.tensor._random as dtensor_random
-from rngcoord.client import init_mesh, install
+from rngcoord.client import init_mesh, install, philox, portable
 from rngcoord.client.devices import pack_philox, unpack_philox
 from torch.distributed.tensor import Replicate, Shard
 
@@ -177,6 +179,50 @@ def checks(rank: int) -> dict[str, str]:
     same = all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     record("state_dict, load_state_dict + Restore: bitwise resume", same, "values differ")
     resumed.close()
+
+    # 4. Portable values: each distribution and dtype, on a shard (a different box per rank)
+    #    and on a whole 2^20-element tensor, equal on CUDA and CPU bit for bit.
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+    path = "fast" if philox.fast_path_ok(torch.device("cuda")) else "exact"
+    record(f"portable: Philox known answers on CUDA ({path} int64 path)", True, "")
+    floats = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    draws = [
+        (f"{name} {dtype}", fn, {"dtype": dtype, **kw})
+        for dtype in floats
+        for name, fn, kw in (
+            ("uniform", portable.uniform, {}),
+            ("uniform [-2, 3)", portable.uniform, {"low": -2.0, "high": 3.0}),
+            ("normal", portable.normal, {"mean": 0.5, "std": 2.0}),
+            ("bernoulli", portable.bernoulli, {"p": 0.3}),
+        )
+    ]
+    draws += [
+        ("randint [-5, 1000)", portable.randint, {"low": -5, "high": 1000}),
+        ("randint [0, 2^50)", portable.randint, {"high": 1 << 50}),
+    ]
+    boxes = {"shard": ((257, 129), [(rank * 100, 100), (3, 120)]), "whole": ((1 << 20,), None)}
+    for where, (shape, ranges) in boxes.items():
+        for name, fn, kw in draws:
+            cpu = fn(0x5EED, 12345, shape, ranges, device="cpu", **kw)
+            gpu = fn(0x5EED, 12345, shape, ranges, device="cuda", **kw)
+            record(
+                f"portable {name}, {where}: CUDA equals CPU bitwise",
+                torch.equal(raw(cpu.values), raw(gpu.values)) and cpu.offsets == gpu.offsets,
+                "values or offsets differ",
+            )
+        for dtype in floats:
+            x = torch.linspace(-3, 3, math.prod(shape), dtype=dtype).reshape(shape)
+            if ranges is not None:
+                x = x[tuple(slice(a, a + n) for a, n in ranges)]
+            out_c, mask_c, _ = portable.dropout(0x5EED, 7, shape, ranges, x, p=0.2)
+            out_g, mask_g, _ = portable.dropout(0x5EED, 7, shape, ranges, x.cuda(), p=0.2)
+            record(
+                f"portable dropout {dtype}, {where}: CUDA equals CPU bitwise",
+                torch.equal(raw(out_c), raw(out_g)) and torch.equal(raw(mask_c), raw(mask_g)),
+                "output or mask differ",
+            )
     return results
 
 
