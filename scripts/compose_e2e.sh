@@ -97,7 +97,7 @@ wait_healthy() {
     fi
     sleep 2
   done
-  log "   $service is healthy (its HEALTHCHECK: $(docker inspect -f '{{index .Config.Healthcheck.Test 1}} {{index .Config.Healthcheck.Test 2}}' "$id"))"
+  log "   $service: healthy (Docker's health status, from its HEALTHCHECK)"
 }
 
 # wait_log ID PATTERN SECONDS: until the container's log (all its runs) has a line matching.
@@ -215,6 +215,7 @@ verify() {
 image_mb() { docker image inspect -f '{{.Size}}' "$1" | awk '{printf "%d MB", $1 / 1000000}'; }
 
 step "1/7 images"
+log "   building with: ${BUILD[*]}"
 if docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
   log "   $BASE_IMAGE: cached"
 else
