@@ -359,3 +359,20 @@ def test_postgres_profile_runs_the_coordinator_on_postgres(compose: Compose) -> 
     assert db_url == "postgresql://rngcoord:pg-pass@127.0.0.1:55432/rngcoord"
     # The records are in PostgreSQL; the coordinator's volume holds its audit key only.
     assert services["coordinator-pg"]["volumes"] == ["coordinator-pg-data:/data:rw"]
+
+
+def test_dockerfiles_default_to_public_bases_and_no_sandbox_inputs() -> None:
+    """What a user builds is what the recipes say by default; a sandbox's inputs are opt-in."""
+    coordinator = COORDINATOR_DOCKERFILE.read_text()
+    trainer = (ROOT / "Dockerfile.trainer").read_text()
+    assert "ARG BASE_IMAGE=python:3.11-slim\n" in coordinator
+    assert "ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime\n" in trainer
+    # Extra wheels come from a stage that is empty unless WHEELS_IMAGE names another image.
+    assert "ARG WHEELS_IMAGE=scratch\n" in trainer
+    assert "FROM ${WHEELS_IMAGE} AS wheels\n" in trainer
+    for text in (coordinator, trainer):
+        # A CA bundle only ever arrives as a BuildKit secret, for the install step alone.
+        assert "\nARG PIP_CERT\n" in text
+        assert "--mount=type=secret,id=pip_cert" in text
+        for sandbox_path in ("/opt/wheels", "/etc/ssl/certs/ca-certificates.crt", "bookworm"):
+            assert sandbox_path not in text, sandbox_path
