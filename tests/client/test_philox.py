@@ -404,9 +404,12 @@ def numpy_normal(words: Any, dtype: Any) -> Any:
             acc = (acc + f(c)) * x
         return acc + f(coefficients[0])
 
-    def sqrt(x: Any) -> Any:
-        y = ((x.view(ints) >> 1) + ints(guess)).view(f)
-        for _ in range(4 if wide else 3):
+    def sqrt(x: Any, half_to_one: bool = False) -> Any:
+        if half_to_one:
+            y = x * f(0.5858) + f(0.4185)
+        else:
+            y = ((x.view(ints) >> 1) + ints(guess)).view(f)
+        for _ in range((4 if wide else 3) - half_to_one):
             y = (x / y + y) * f(0.5)
         return y
 
@@ -416,7 +419,7 @@ def numpy_normal(words: Any, dtype: Any) -> Any:
         m = ((bits & ints(mantissa)) + ints(sqrt_half)).view(f)
         s = (m - f(1)) / (m + f(1))
         terms = 11 if wide else 5
-        log_m = horner(s * s, [1.0 / (2 * j + 1) for j in range(terms)]) * s * f(2)
+        log_m = horner(s * s, [2.0 / (2 * j + 1) for j in range(terms)]) * s
         if wide:
             return k * f(6.93147180369123816490e-01) + (k * f(1.90821492927058770002e-10) + log_m)
         return k * f(math.log(2.0)) + log_m
@@ -435,7 +438,7 @@ def numpy_normal(words: Any, dtype: Any) -> Any:
     r = sqrt(np.abs(log(u1) * f(-2)))
     terms = 8 if wide else 5
     sin_t = horner(t * t, [(-1) ** j / math.factorial(2 * j + 1) for j in range(terms)]) * t
-    cos_t = sqrt(-(sin_t * sin_t) + f(1))
+    cos_t = sqrt(-(sin_t * sin_t) + f(1), half_to_one=True)
     q = quadrant.astype(f)
     cos_q = np.abs(q - f(2)) - f(1)
     sin_q = -np.abs(q - f(1)) + f(1)
