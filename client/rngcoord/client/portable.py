@@ -263,10 +263,10 @@ def _sqrt(x: torch.Tensor, *, half_to_one: bool = False) -> torch.Tensor:
     """sqrt x for x >= 0 (float32 or float64) by Newton's method.
 
     torch.sqrt is not exactly rounded on every device (on CPU torch 2.13 differs from IEEE
-    sqrt in the last bit for ~10% of float32 inputs), so sqrt is built from exactly rounded
+    sqrt in the last bit for ~17% of float32 inputs), so sqrt is built from exactly rounded
     division, addition and multiplication: the same bits everywhere, within 1 ulp of the
     true root. Each step squares the relative error of the first guess: a bit-level one
-    (within 4%), or for ``half_to_one`` (x in [1/2, 1]) a line (within 0.7%, a step less).
+    (within 4%), or for ``half_to_one`` (x in [1/2, 1]) a line (within 1%, a step less).
     """
     wide = x.dtype == torch.float64
     if half_to_one:
