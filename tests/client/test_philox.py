@@ -592,6 +592,8 @@ def test_portable_fill_rejects_what_it_cannot_do() -> None:
         uniform(SEED, 0, (4,), [(2, 3)])
     with pytest.raises(ValueError, match="1 \\(start, length\\) pairs for a 2-dimensional"):
         uniform(SEED, 0, (4, 4), [(0, 4)])
+    with pytest.raises(ValueError, match=r"the seed must be an int in \[0, 2\^64\)"):
+        uniform(-1, 0, (4, 0))
     with pytest.raises(ValueError, match="past the 64-bit Philox position space"):
         uniform(SEED, (1 << 64) - 1, (5,))
     with pytest.raises(ValueError, match=r"p must be in \[0, 1\]"):

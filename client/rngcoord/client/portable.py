@@ -78,7 +78,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rngcoord.client.philox import POSITION_LIMIT, Words, philox_blocks
+from rngcoord.client.philox import POSITION_LIMIT, Words, philox_blocks, split_key
 
 _MASK32 = 0xFFFFFFFF
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -171,6 +171,7 @@ def _draw(
     """The local slice of the global element sequence ``convert`` makes from the blocks."""
     offsets = -(-box.numel // per_block)
     _check_positions(base_offset, offsets)
+    split_key(seed)  # rejects a bad seed on every rank, those with empty shards too
     local_shape = box.local_shape
     if math.prod(local_shape) == 0:
         return Draw(torch.empty(local_shape, dtype=out_dtype, device=device), offsets)
