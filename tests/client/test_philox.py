@@ -15,6 +15,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -382,6 +383,83 @@ def test_portable_log_and_angles_are_accurate() -> None:
         assert (cos.double() - torch.cos(angle)).abs().max().item() < tol
 
 
+def numpy_normal(words: Any, dtype: Any) -> Any:
+    """portable.py's Box-Muller table row, in numpy (whose float ops are IEEE), [m, 4] -> [m, E].
+
+    If torch's CPU ops were not all exactly rounded (torch.sqrt is not), torch's result would
+    differ from this one, and from CUDA's.
+    """
+    f = dtype
+    wide = f == np.float64
+    ints: Any
+    ints, shift, bias, mantissa, sqrt_half, guess = (
+        (np.int64, 52, 0x3FF, 0x000FFFFFFFFFFFFF, 0x3FE6A09E667F3BCD, 0x1FF7A3BEA91D9B1B)
+        if wide
+        else (np.int32, 23, 0x7F, 0x007FFFFF, 0x3F3504F3, 0x1FBD1DF5)
+    )
+
+    def horner(x: Any, coefficients: list[float]) -> Any:
+        acc = x * f(coefficients[-1])
+        for c in reversed(coefficients[1:-1]):
+            acc = (acc + f(c)) * x
+        return acc + f(coefficients[0])
+
+    def sqrt(x: Any, half_to_one: bool = False) -> Any:
+        if half_to_one:
+            y = x * f(0.5858) + f(0.4185)
+        else:
+            y = ((x.view(ints) >> 1) + ints(guess)).view(f)
+        for _ in range((4 if wide else 3) - half_to_one):
+            y = (x / y + y) * f(0.5)
+        return y
+
+    def log(u: Any) -> Any:
+        bits = u.view(ints) + ints((bias << shift) - sqrt_half)
+        k = ((bits >> shift) - ints(bias)).astype(f)
+        m = ((bits & ints(mantissa)) + ints(sqrt_half)).view(f)
+        s = (m - f(1)) / (m + f(1))
+        terms = 11 if wide else 5
+        log_m = horner(s * s, [2.0 / (2 * j + 1) for j in range(terms)]) * s
+        if wide:
+            return k * f(6.93147180369123816490e-01) + (k * f(1.90821492927058770002e-10) + log_m)
+        return k * f(math.log(2.0)) + log_m
+
+    w = words.astype(np.int64)
+    if wide:
+        u1 = ((w[:, 0] >> 5) * 2**26 + (w[:, 1] >> 6)).astype(f) * f(2.0**-53) + f(2.0**-53)
+        frac = ((w[:, 2] & 0x3FFFFFFF) * 2**21 + (w[:, 3] >> 11)).astype(f)
+        t = frac * f(math.pi / 2 * 2.0**-51) - f(math.pi / 4)
+        quadrant = w[:, 2] >> 30
+    else:
+        u1 = (np.concatenate((w[:, 0], w[:, 2])) + 1).astype(f) * f(2.0**-32)
+        angle = np.concatenate((w[:, 1], w[:, 3]))
+        t = (angle & 0x3FFFFFFF).astype(f) * f(math.pi / 2 * 2.0**-30) - f(math.pi / 4)
+        quadrant = angle >> 30
+    r = sqrt(np.abs(log(u1) * f(-2)))
+    terms = 8 if wide else 5
+    sin_t = horner(t * t, [(-1) ** j / math.factorial(2 * j + 1) for j in range(terms)]) * t
+    cos_t = sqrt(-(sin_t * sin_t) + f(1), half_to_one=True)
+    q = quadrant.astype(f)
+    cos_q = np.abs(q - f(2)) - f(1)
+    sin_q = -np.abs(q - f(1)) + f(1)
+    z_cos = (cos_t * cos_q - sin_t * sin_q) * r
+    z_sin = (sin_t * cos_q + cos_t * sin_q) * r
+    if wide:
+        return np.stack((z_cos, z_sin), axis=1)
+    m = len(w)
+    return np.stack((z_cos[:m], z_sin[:m], z_cos[m:], z_sin[m:]), axis=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_normal_uses_only_exactly_rounded_ops(dtype: torch.dtype) -> None:
+    per_block = 4 if dtype == torch.float32 else 2
+    words = philox_blocks(SEED, 5, torch.arange(4096)).numpy()
+    expected = numpy_normal(words, np.float32 if dtype == torch.float32 else np.float64)
+    got = normal(SEED, 5, (4096 * per_block,), dtype=dtype).values.numpy()
+    assert expected.shape == (4096, per_block)
+    assert np.array_equal(got.view(np.uint8), expected.reshape(-1).view(np.uint8))
+
+
 def test_bernoulli_rate_and_edges() -> None:
     bits = bernoulli(SEED, 0, (1 << 16,), p=0.3).values
     assert abs(bits.mean().item() - 0.3) < 0.01
@@ -514,6 +592,8 @@ def test_portable_fill_rejects_what_it_cannot_do() -> None:
         uniform(SEED, 0, (4,), [(2, 3)])
     with pytest.raises(ValueError, match="1 \\(start, length\\) pairs for a 2-dimensional"):
         uniform(SEED, 0, (4, 4), [(0, 4)])
+    with pytest.raises(ValueError, match=r"the seed must be an int in \[0, 2\^64\)"):
+        uniform(-1, 0, (4, 0))
     with pytest.raises(ValueError, match="past the 64-bit Philox position space"):
         uniform(SEED, (1 << 64) - 1, (5,))
     with pytest.raises(ValueError, match=r"p must be in \[0, 1\]"):

@@ -41,8 +41,10 @@ the largest value of the dtype below it. Normal ``mean + std * z`` is computed i
 CPU ``random_`` has (below ``range / 2^32``, resp. ``range / 2^63``).
 
 Device invariance needs every step to be exactly rounded IEEE arithmetic, so the logarithm,
-sine and cosine are polynomials here (add, multiply, divide, sqrt, ``frexp``, ``round``), never
-``torch.log``/``torch.cos``, whose last bits differ between CPU and CUDA libraries. They are
+sine, cosine and square root are built here from add, subtract, multiply, divide, integer
+ops on the floats' bits and conversions, never ``torch.log``/``torch.cos``/``torch.sqrt``,
+whose last bits differ between CPU and CUDA libraries (torch 2.13's CPU ``sqrt`` is not
+even exactly rounded). They are
 accurate to a few units in the last place of the arithmetic's dtype (float64 for float64
 output, float32 otherwise).
 
@@ -76,7 +78,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rngcoord.client.philox import POSITION_LIMIT, Words, philox_blocks
+from rngcoord.client.philox import POSITION_LIMIT, Words, philox_blocks, split_key
 
 _MASK32 = 0xFFFFFFFF
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -169,6 +171,7 @@ def _draw(
     """The local slice of the global element sequence ``convert`` makes from the blocks."""
     offsets = -(-box.numel // per_block)
     _check_positions(base_offset, offsets)
+    split_key(seed)  # rejects a bad seed on every rank, those with empty shards too
     local_shape = box.local_shape
     if math.prod(local_shape) == 0:
         return Draw(torch.empty(local_shape, dtype=out_dtype, device=device), offsets)
@@ -242,12 +245,41 @@ def _uniform_converter(dtype: torch.dtype) -> tuple[int, Converter]:
     return 4, convert
 
 
-# Bit layouts for _log's reduction: (int view dtype, exponent shift, bias, mantissa mask,
-# the bits of sqrt(1/2)).
+# Bit layouts of the floats: (int view dtype, exponent shift, bias, mantissa mask, the bits
+# of sqrt(1/2), the bits of a first guess at sqrt: half the exponent bias, tuned).
 _FLOAT_BITS = {
-    torch.float32: (torch.int32, 23, 0x7F, 0x007FFFFF, 0x3F3504F3),
-    torch.float64: (torch.int64, 52, 0x3FF, 0x000FFFFFFFFFFFFF, 0x3FE6A09E667F3BCD),
+    torch.float32: (torch.int32, 23, 0x7F, 0x007FFFFF, 0x3F3504F3, 0x1FBD1DF5),
+    torch.float64: (
+        torch.int64,
+        52,
+        0x3FF,
+        0x000FFFFFFFFFFFFF,
+        0x3FE6A09E667F3BCD,
+        0x1FF7A3BEA91D9B1B,
+    ),
 }
+
+
+def _sqrt(x: torch.Tensor, *, half_to_one: bool = False) -> torch.Tensor:
+    """sqrt x for x >= 0 (float32 or float64) by Newton's method.
+
+    torch.sqrt is not exactly rounded on every device (on CPU torch 2.13 differs from IEEE
+    sqrt in the last bit for ~17% of float32 inputs), so sqrt is built from exactly rounded
+    division, addition and multiplication: the same bits everywhere, within 1 ulp of the
+    true root. Each step squares the relative error of the first guess: a bit-level one
+    (within 4%), or for ``half_to_one`` (x in [1/2, 1]) a line (within 1%, a step less).
+    """
+    wide = x.dtype == torch.float64
+    if half_to_one:
+        y = x * 0.5858 + 0.4185
+        steps = 3 if wide else 2
+    else:
+        int_dtype, *_, guess = _FLOAT_BITS[x.dtype]
+        y = (x.view(int_dtype) >> 1).add_(guess).view(x.dtype)
+        steps = 4 if wide else 3
+    for _ in range(steps):
+        y = (x / y).add_(y).mul_(0.5)
+    return y
 
 
 def _horner(x: torch.Tensor, coefficients: Sequence[float]) -> torch.Tensor:
@@ -260,15 +292,15 @@ def _horner(x: torch.Tensor, coefficients: Sequence[float]) -> torch.Tensor:
 
 def _log(u: torch.Tensor, terms: int) -> torch.Tensor:
     """ln u for normal positive u (float32 or float64), from exactly rounded operations only."""
-    int_dtype, shift, bias, mantissa, sqrt_half = _FLOAT_BITS[u.dtype]
+    int_dtype, shift, bias, mantissa, sqrt_half, _ = _FLOAT_BITS[u.dtype]
     # u = 2^k m with m in [sqrt(1/2), sqrt(2)), read off the bits: offsetting them by
     # (1.0 - sqrt(1/2)) carries into the exponent exactly when m would fall below sqrt(1/2).
     bits = u.view(int_dtype) + ((bias << shift) - sqrt_half)
     k = (bits >> shift).sub_(bias).to(u.dtype)
     m = bits.bitwise_and_(mantissa).add_(sqrt_half).view(u.dtype)
-    # s = (m - 1) / (m + 1) is within +-0.1716; ln m = 2 atanh s = 2 (s + s^3/3 + ...).
+    # s = (m - 1) / (m + 1) is within +-0.1716; ln m = 2 atanh s = 2 s + 2 s^3/3 + ...
     s = (m - 1.0).div_(m + 1.0)
-    log_m = _horner(s * s, [1.0 / (2 * j + 1) for j in range(terms)]).mul_(s).mul_(2.0)
+    log_m = _horner(s * s, [2.0 / (2 * j + 1) for j in range(terms)]).mul_(s)
     if u.dtype == torch.float64:
         return k * _LN2_HI + (k * _LN2_LO + log_m)
     return k.mul_(math.log(2.0)).add_(log_m)
@@ -280,7 +312,7 @@ def _sincos(t: torch.Tensor, terms: int) -> tuple[torch.Tensor, torch.Tensor]:
     # nothing and saves a second series.
     series = [(-1) ** j / math.factorial(2 * j + 1) for j in range(terms)]
     sin_t = _horner(t * t, series).mul_(t)
-    cos_t = (sin_t * sin_t).neg_().add_(1.0).sqrt_()
+    cos_t = _sqrt((sin_t * sin_t).neg_().add_(1.0), half_to_one=True)
     return sin_t, cos_t
 
 
@@ -308,7 +340,8 @@ def _box_muller(
     ones to ~1e-9 (both below the dtype's rounding).
     """
     precise = u1.dtype == torch.float64
-    r = _log(u1, 11 if precise else 5).mul_(-2.0).sqrt_()
+    # abs_ turns ln 1 * -2 = -0.0 into +0.0, which _sqrt's bit-level guess needs.
+    r = _sqrt(_log(u1, 11 if precise else 5).mul_(-2.0).abs_())
     cos_a, sin_a = _angle(quadrant, t, 8 if precise else 5)
     return cos_a.mul_(r), sin_a.mul_(r)
 
