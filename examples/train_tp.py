@@ -83,6 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=int(env_seed) if env_seed else None,
         help="the job's root seed (env RNGCOORD_SEED; unset: the coordinator draws one)",
     )
+    coord.add_argument(
+        "--policy",
+        choices=("offsets", "sharding_invariant"),
+        default="offsets",
+        help="how DTensor random ops draw: DTensor's offsets, or the same numbers on any mesh "
+        "(so a job resized with --resume continues bitwise)",
+    )
     train = parser.add_argument_group("training")
     train.add_argument("--steps", type=int, default=8, help="optimizer steps to run")
     train.add_argument("--dim", type=int, default=16, help="model width")
@@ -268,7 +275,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[train_tp] {message}", flush=True)
 
     mesh = init_mesh((world,), ("tp",), device_type=args.device)
-    tracker = install(mesh, target=args.addr, job=args.job, seed=args.seed, token=args.token)
+    tracker = install(
+        mesh, target=args.addr, job=args.job, seed=args.seed, token=args.token, policy=args.policy
+    )
     model = build_model(args, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     x, target = synthetic_batch(args, mesh)

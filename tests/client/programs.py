@@ -423,6 +423,48 @@ def layout_values(ctx: Ctx) -> dict[str, Any]:
 
 
 @program
+def invariant_ops(ctx: Ctx) -> dict[str, Any]:
+    """The same DTensor random ops under the sharding_invariant policy on the mesh
+    ``args["mesh"]``: the full tensors, each op on a few placements."""
+    import torch
+    import torch.distributed.tensor as dt
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Replicate as R
+    from torch.distributed.tensor import Shard as S
+
+    from rngcoord.client import init_mesh, install
+
+    def full(t: Any) -> Any:
+        # A copy: on one rank the full tensor may alias the local one, which later ops fill.
+        return t.full_tensor().clone()
+
+    shape = tuple(ctx.args["mesh"])
+    mesh = init_mesh(shape, ("dp", "tp")[: len(shape)], "cpu")
+    tracker = install(
+        mesh, ctx.args["addr"], job=ctx.args["job"], seed=77, policy="sharding_invariant"
+    )
+    n = len(shape)
+    layouts: list[list[Any]] = [[R()] * n, [S(0)] * n, [S(1), *[R()] * (n - 1)], [S(0), S(1)][:n]]
+    out: dict[str, Any] = {}
+    for k, placements in enumerate(layouts):
+        out[f"rand{k}"] = full(dt.rand((6, 5), device_mesh=mesh, placements=placements))
+        out[f"randn{k}"] = full(
+            dt.randn((7, 3), device_mesh=mesh, placements=placements, dtype=torch.float64)
+        )
+        x: Any = dt.zeros((5, 9), device_mesh=mesh, placements=placements)
+        out[f"uniform{k}"] = full(x.uniform_(-2.0, 3.0))
+        out[f"normal{k}"] = full(x.normal_(1.0, 0.5))
+        out[f"bernoulli{k}"] = full(x.bernoulli_(0.3))
+        ones = dt.ones((8, 6), device_mesh=mesh, placements=placements)
+        out[f"dropout{k}"] = full(F.dropout(ones, p=0.4, training=True))
+        out[f"rand_like{k}"] = full(torch.rand_like(ones))
+        out[f"randint_like{k}"] = full(torch.randint_like(ones, 0, 1000))
+    out["groups"] = {name: m.cursor for name, m in tracker.leases.items()}
+    tracker.close()
+    return out
+
+
+@program
 def restart(ctx: Ctx) -> dict[str, Any]:
     """rand((16,)) ops in three phases; between them the test kills, then restarts, the
     coordinator. Lease size 256: lease 0 is current and lease 1 has arrived when it dies."""

@@ -96,6 +96,7 @@ class JobSpec:
         resume: restart from the latest checkpoint, restoring the random stream's cursor.
             Default False: a restart starts over at step 1 on fresh numbers.
         checkpoint_every: checkpoint after every this many steps. Default 2.
+        policy: the tracker policy (train_tp.py --policy). Default "offsets".
     """
 
     job: str
@@ -106,6 +107,7 @@ class JobSpec:
     fail_rank: int = 1
     resume: bool = False
     checkpoint_every: int = 2
+    policy: str = "offsets"
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,7 @@ def torchrun_command(spec: JobSpec, workdir: Path) -> list[str]:
         f"--checkpoint-every={spec.checkpoint_every}",
         f"--record-masks={workdir / 'records'}",
         f"--fail-rank={spec.fail_rank}",
+        f"--policy={spec.policy}",
     ]
     if spec.fail_at_step is not None:
         cmd.append(f"--fail-at-step={spec.fail_at_step}")

@@ -172,3 +172,23 @@ def stream_group(
         return own
     name = group_name(mesh.mesh_dim_names, tuple(mesh.mesh.shape), union)
     return GroupSpec(name=name, rank=union.index(global_rank), world_size=len(union))
+
+
+def invariant_group(
+    root: DeviceMesh, global_rank: int, split_dims: Collection[str] | None = None
+) -> GroupSpec:
+    """The stream of every mesh under the ``sharding_invariant`` policy: one per job and
+    pipeline stage, named without the mesh's shape or ranks so that a resized job joins the
+    same stream (``invariant``, or ``invariant[pp:1]`` with the stage's coordinates on the
+    split dims). Its members are the root's ranks with this rank's split coordinates."""
+    coords = {
+        int(root.mesh[index].item()): index
+        for index in itertools.product(*(range(n) for n in root.mesh.shape))
+    }
+    mine = coords[global_rank]
+    names = root.mesh_dim_names or (None,) * root.ndim
+    split = [d for d in range(root.ndim) if is_split_dim(names[d], split_dims)]
+    ranks = sorted(r for r, c in coords.items() if all(c[d] == mine[d] for d in split))
+    suffix = ",".join(f"{names[d]}:{mine[d]}" for d in split)
+    name = f"invariant[{suffix}]" if suffix else "invariant"
+    return GroupSpec(name=name, rank=ranks.index(global_rank), world_size=len(ranks))

@@ -16,7 +16,7 @@ from rngcoord.client.compat import check_torch
 from rngcoord.client.connection import CoordinatorClient
 from rngcoord.client.devices import device_handle, dispatchable_backend
 from rngcoord.client.errors import InvalidRequest, RNGCoordError, refused
-from rngcoord.client.tracker import CompiledOps, OffsetBasedRNGTracker
+from rngcoord.client.tracker import CompiledOps, OffsetBasedRNGTracker, Policy
 from rngcoord.v1.rules import RuleViolation, check_name
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ def install(
     deadline_s: float = 10.0,
     retries: int = 5,
     split_dims: Sequence[str] | None = None,
+    policy: Policy = "offsets",
     compiled_random_ops: CompiledOps = "eager",
 ) -> OffsetBasedRNGTracker:
     """Make DTensor random ops on this rank draw from coordinator leases.
@@ -69,6 +70,11 @@ def install(
             such as pipeline stages. Default ``None``: dims named ``pp*`` or ``pipe*``; the
             copies of a sub-mesh along every other dim draw the same numbers, as in DTensor
             (:func:`rngcoord.client.groups.stream_group`).
+        policy: ``"offsets"`` (default): DTensor's offset semantics, bitwise upstream's where
+            shards are even. ``"sharding_invariant"``: each shard gets exactly the slice one
+            device would have drawn, on any device, and the stream is named independently of
+            the mesh, so a job resized from 4 ranks to 2 draws the same numbers
+            (:mod:`rngcoord.client.invariant`).
         compiled_random_ops: ``"eager"`` (default): under torch.compile each DTensor random
             op breaks the graph and runs eagerly from the leases, bitwise equal to eager
             mode; ``"device"``: compiled ops draw from the device generator, outside the
@@ -114,6 +120,7 @@ def install(
             join_timeout_s=join_timeout_s,
             owns_client=True,
             split_dims=split_dims,
+            policy=policy,
             compiled_random_ops=compiled_random_ops,
         )
     except BaseException:

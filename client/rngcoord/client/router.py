@@ -61,6 +61,11 @@ class RankTracker(Protocol):
     rank: int
     """The global rank the tracker serves."""
 
+    @property
+    def policy(self) -> str:
+        """``"offsets"`` or ``"sharding_invariant"`` (which needs the policy's op handlers)."""
+        ...
+
     distribute_region_enabled: bool
 
     def region(
@@ -180,6 +185,18 @@ def _handlers() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
     return handlers
 
 
+def _update_invariant_handlers(router: TrackerRouter) -> None:
+    """Route every DTensor random op through the trackers' regions while a tracker with the
+    sharding_invariant policy is registered (rngcoord.client.invariant)."""
+    from rngcoord.client.invariant import INVARIANT_OPS, invariant_op
+
+    if any(t.policy == "sharding_invariant" for t in router._trackers.values()):
+        _handlers().update(dict.fromkeys(INVARIANT_OPS, invariant_op))
+    else:
+        for op in INVARIANT_OPS:
+            _handlers().pop(op, None)
+
+
 def register(tracker: RankTracker) -> RankTracker | None:
     """Make ``tracker`` its rank's DTensor tracker; return the one it replaces, if any.
 
@@ -198,6 +215,7 @@ def register(tracker: RankTracker) -> RankTracker | None:
             _handlers().update(dict.fromkeys(EXTRA_RANDOM_OPS, extra_random_op))
         previous = router._trackers.get(tracker.rank)
         router._trackers[tracker.rank] = tracker
+        _update_invariant_handlers(router)
         return previous if previous is not tracker else None
 
 
@@ -209,6 +227,7 @@ def unregister(tracker: RankTracker) -> None:
             return
         if router._trackers.get(tracker.rank) is tracker:
             del router._trackers[tracker.rank]
+        _update_invariant_handlers(router)
         if not router._trackers:
             dtensor_random._rng_tracker = None
             dtensor_random.manual_seed = _upstream_manual_seed

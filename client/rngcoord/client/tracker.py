@@ -84,6 +84,7 @@ from torch.distributed._functional_collectives import _are_we_tracing
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from rngcoord.client import invariant
 from rngcoord.client.connection import CoordinatorClient
 from rngcoord.client.devices import (
     CPUStateWriter,
@@ -95,7 +96,7 @@ from rngcoord.client.devices import (
     unpack_philox,
 )
 from rngcoord.client.errors import InvalidRequest, RNGCoordError, StoreMismatchError
-from rngcoord.client.groups import GroupSpec, shared_group, stream_group
+from rngcoord.client.groups import GroupSpec, invariant_group, shared_group, stream_group
 from rngcoord.client.leases import INITIAL_DIGEST, LeaseManager, LeaseSchedule, StreamState
 from rngcoord.client.router import extra_random_op, not_compiled, unregister
 from rngcoord.v1.types import JoinResult
@@ -113,6 +114,9 @@ _GENERATOR_LOCK = threading.RLock()
 
 #: What a traced (compiled) DTensor random op does: see the module docstring.
 CompiledOps = Literal["eager", "device"]
+#: How a DTensor random op draws: DTensor's offsets on the device generator ("offsets"), or
+#: the portable, mesh-independent values of rngcoord.client.invariant.
+Policy = Literal["offsets", "sharding_invariant"]
 
 
 def _roundup4(n: int) -> int:
@@ -237,6 +241,7 @@ _CALLERS: dict[types.CodeType | None, str] = {
     _init_helper_code(): "init_op",
     # Wrapped by torch.compiler.disable; the frame that calls the tracker is the inner one.
     getattr(extra_random_op, "__wrapped__", extra_random_op).__code__: "op_call",
+    invariant.invariant_op.__code__: "op_call",
 }
 _CALLERS.pop(None, None)
 
@@ -328,6 +333,10 @@ class RNGStateTracker:
             is its own stream.
         split_dims: Names of ``root``'s dims whose sub-mesh copies draw separately. Default
             ``None``: dims named ``pp*`` or ``pipe*``.
+        policy: ``"offsets"`` (default): DTensor's offset semantics on the device's own
+            generator (the shard layout above). ``"sharding_invariant"``: every shard gets
+            the slice of what one device would draw, from a stream named independently of
+            the mesh (:mod:`rngcoord.client.invariant`).
         compiled_random_ops: ``"eager"`` (default): a DTensor random op under torch.compile
             breaks the graph and runs eagerly from the streams, and other tracing is refused;
             ``"device"``: traced ops draw from the device generator as it stands (upstream's
@@ -340,13 +349,19 @@ class RNGStateTracker:
         rank: int | None = None,
         root: DeviceMesh | None = None,
         split_dims: Sequence[str] | None = None,
+        policy: Policy = "offsets",
         compiled_random_ops: CompiledOps = "eager",
     ) -> None:
+        if policy not in ("offsets", "sharding_invariant"):
+            raise InvalidRequest(
+                f'policy must be "offsets" or "sharding_invariant", got {policy!r}'
+            )
         if compiled_random_ops not in ("eager", "device"):
             raise InvalidRequest(
                 f'compiled_random_ops must be "eager" or "device", got {compiled_random_ops!r}'
             )
         self.device_type = device_type
+        self.policy = policy
         self.compiled_random_ops = compiled_random_ops
         self.root = root
         self.split_dims = None if split_dims is None else tuple(split_dims)
@@ -491,6 +506,8 @@ class RNGStateTracker:
             return contextlib.nullcontext()
         if generator is not None:
             return self._generator_region(plan, generator)
+        if self.policy == "sharding_invariant":
+            return invariant.region(stream, spec, lambda: self._op_key(plan, caller))
         if self._cpu_writer is not None:
             base = stream.advance(plan.end, self._op_key(plan, caller))
             return _CPURegion(self._cpu_writer, cpu_key(stream.seed, base + plan.start))
@@ -524,6 +541,12 @@ class RNGStateTracker:
         plan = self._plans.get(spec) or self._plan(spec)
         if plan.stream is None:
             raise RNGCoordError(f"rank {self.rank} is not part of the mesh of {spec}")
+        if self.policy == "sharding_invariant":
+            # The policy's op handler runs every dispatched random op in a region instead.
+            raise RNGCoordError(
+                "DTensor asked for Philox offsets under the sharding_invariant policy: an op "
+                "outside rngcoord.client.invariant.INVARIANT_OPS took DTensor's CUDA path"
+            )
         if _are_we_tracing():
             self._traced()
             return plan.start, plan.end
@@ -552,6 +575,8 @@ class RNGStateTracker:
         return self._stream(self._group_of(mesh).name)
 
     def _group_of(self, mesh: DeviceMesh) -> GroupSpec:
+        if self.policy == "sharding_invariant" and self.root is not None:
+            return invariant_group(self.root, self.rank, self.split_dims)
         return stream_group(mesh, self.rank, self.root, self.split_dims)
 
     @staticmethod
@@ -744,6 +769,8 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         split_dims: Names of ``device_mesh``'s dims whose sub-mesh copies draw separate
             numbers (:func:`rngcoord.client.groups.stream_group`). Default ``None``: dims
             named ``pp*`` or ``pipe*``; every other dim replicates, as in DTensor.
+        policy: ``"offsets"`` (default) or ``"sharding_invariant"``; see
+            :class:`RNGStateTracker`.
         compiled_random_ops: What a DTensor random op under torch.compile does. Default
             ``"eager"``: it breaks the graph and draws from the leases. See
             :class:`RNGStateTracker`.
@@ -760,6 +787,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         join_timeout_s: float = 60.0,
         owns_client: bool = False,
         split_dims: Sequence[str] | None = None,
+        policy: Policy = "offsets",
         compiled_random_ops: CompiledOps = "eager",
     ) -> None:
         # Upstream's __init__ is deliberately not called: it raises on CPU meshes and
@@ -769,6 +797,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
             device_mesh.device_type,
             root=device_mesh,
             split_dims=split_dims,
+            policy=policy,
             compiled_random_ops=compiled_random_ops,
         )
         _check_in_mesh(device_mesh, self.rank, "install()")

@@ -1,4 +1,4 @@
-"""The `rngcoord` command line: serve, audit, report, verify and demo.
+"""The `rngcoord` command line: serve, audit, report, verify, demo and replay.
 
 Exit status: 0 on success; 1 when `verify` finds a problem; 2 for a usage error or when the
 command cannot run (an unreadable database, an address that cannot be bound, a bad token
@@ -42,9 +42,9 @@ _FOLLOW_PAGE = 500
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["demo"]:
-        # Every flag, --help included, belongs to the demo's own parser.
-        return _demo(argv[1:])
+    if argv[:1] in (["demo"], ["replay"]):
+        # Every flag, --help included, belongs to the client module's own parser.
+        return _client_command(argv[0], argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     command: Callable[[argparse.Namespace], int] = args.run
@@ -359,8 +359,14 @@ def build_parser() -> argparse.ArgumentParser:
         "extra: torch)",
         description="Runs rngcoord.client.demo; `rngcoord demo --help` lists its flags.",
     )
-    # main() hands `demo ARGS...` to the demo before this parser sees them.
-    del demo
+    replay = sub.add_parser(
+        "replay",
+        help="regenerate a sharding_invariant op's values offline from an audit export "
+        "(needs the client extra: torch)",
+        description="Runs rngcoord.client.replay; `rngcoord replay --help` lists its flags.",
+    )
+    # main() hands `demo ARGS...` and `replay ARGS...` to the client before this parser.
+    del demo, replay
     return parser
 
 
@@ -538,21 +544,24 @@ class _Progress:
             print(f"verify: {checked}/{total} records checked", file=self._out, flush=True)
 
 
-def _demo(args: Sequence[str]) -> int:
-    # The demo trains with torch, which the server package never imports (the coordinator
-    # image has none): it lives in the client package, and runs in a process of its own.
+def _client_command(name: str, args: Sequence[str]) -> int:
+    # `demo` trains and `replay` draws with torch, which the server package never imports
+    # (the coordinator image has none): they live in the client package, and run in a
+    # process of their own.
     missing = [
-        name for name in ("torch", "rngcoord.client") if importlib.util.find_spec(name) is None
+        module
+        for module in ("torch", "rngcoord.client")
+        if importlib.util.find_spec(module) is None
     ]
     if missing:
         print(
-            f"rngcoord demo: error: it needs the client extra ({', '.join(missing)} not "
+            f"rngcoord {name}: error: it needs the client extra ({', '.join(missing)} not "
             "installed): pip install 'rngcoord[client]', or run `make demo` in a source checkout",
             file=sys.stderr,
         )
         return 2
     sys.stdout.flush()
-    cmd = [sys.executable, "-m", "rngcoord.client.demo", *args]
+    cmd = [sys.executable, "-m", f"rngcoord.client.{name}", *args]
     return subprocess.run(cmd, check=False).returncode
 
 

@@ -1,0 +1,168 @@
+"""The ``sharding_invariant`` policy: DTensor random ops that draw the same numbers whatever the
+mesh, from :mod:`rngcoord.client.portable`'s counter-based Philox.
+
+Under this policy a DTensor random op gives each shard exactly the slice of the tensor that
+one device would have drawn with the stream's seed at the stream's cursor, on any device and
+for any mesh shape and placement; and the stream itself does not depend on the mesh:
+
+- **Streams.** One stream per job and pipeline stage, named ``invariant`` (no split dims) or
+  ``invariant[pp:1]`` (the stage's coordinates on the split dims, see
+  :func:`rngcoord.client.groups.invariant_group`). Every rank with the same split coordinates
+  joins it, whatever mesh or sub-mesh an op runs on, so a job resized from 4 ranks to 2 joins
+  the same stream in a new epoch, and ``--resume`` (``load_state_dict``) continues it at the
+  saved cursor: the same numbers as the uninterrupted run.
+- **Offsets.** An op of ``n`` Philox blocks (``portable.offsets_consumed``: ``ceil(numel /
+  E)``, ``E`` values per 128-bit block) moves the cursor by ``4 n``: the cursor still counts
+  32-bit words, a multiple of 4, and block ``b`` of the op sits at ``cursor / 4 + b``.
+  Example: ``rand(8, 16)`` (float32, 4 values per block) at cursor 0 consumes 32 blocks and
+  moves the cursor to 128 on every rank; a ``[Shard(1)]`` shard of columns 8..15 on one rank
+  of two draws blocks ``2 r + 2`` and ``2 r + 3`` of row ``r``, which is what one device drew.
+
+How an op reaches it: the tracker's region pushes :class:`_InvariantMode`, a
+TorchDispatchMode that catches the local random op DTensor runs inside the region (the
+factories ``rand``/``randn``, and, through :func:`invariant_op`, a custom op handler, every
+dispatched random op, on CUDA too, where DTensor would otherwise take the
+``run_dtensor_rng_op`` path), and returns the portable values instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Partial, _StridedShard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rngcoord.client import portable
+from rngcoord.client.errors import RNGCoordError
+
+if TYPE_CHECKING:
+    from rngcoord.client.tracker import _Stream
+
+_aten = torch.ops.aten
+#: The random ops the policy handles (DTensor's random ops, and ``random_``).
+INVARIANT_OPS = (
+    _aten.uniform_.default,
+    _aten.normal_.default,
+    _aten.bernoulli_.float,
+    _aten.bernoulli.default,
+    _aten.native_dropout.default,
+    _aten.rand_like.default,
+    _aten.randn_like.default,
+    _aten.randint_like.default,
+    _aten.randint_like.low_dtype,
+    _aten.random_.default,
+    getattr(_aten.random_, "from"),  # a Python keyword
+    _aten.random_.to,
+)
+# What the mode catches inside a region: the ops above plus the factories that DTensor's
+# rand/randn call on the local shape.
+_CAUGHT = frozenset(op.overloadpacket.__name__ for op in INVARIANT_OPS) | {"rand", "randn"}
+
+
+def local_ranges(spec: DTensorSpec) -> list[tuple[int, int]]:
+    """``(start, length)`` per dim of the global tensor that this rank's shard holds."""
+    for placement in spec.placements:
+        if isinstance(placement, Partial | _StridedShard):
+            raise RNGCoordError(
+                f"the sharding_invariant policy cannot draw for placement {placement} (a "
+                "partial sum, or a strided shard, is not a box of the global tensor): "
+                "redistribute to Shard or Replicate first"
+            )
+    shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+    return [(int(o), int(n)) for o, n in zip(offset, shape, strict=True)]
+
+
+class _InvariantMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Replaces the local random op of one DTensor op with its portable values."""
+
+    def __init__(self, stream: _Stream, spec: DTensorSpec, op_key: Callable[[], bytes]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._stream = stream
+        self._spec = spec
+        self._op_key = op_key
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name not in _CAUGHT:
+            return func(*args, **kwargs)
+        bound = portable.bind_op_args(func, args, kwargs)
+        first = args[0]
+        output: torch.Tensor
+        mask = None
+        if name in ("rand", "randn"):
+            dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            output = torch.empty(tuple(first), dtype=dtype, device=kwargs.get("device"))
+        elif name.endswith("_like") or name == "bernoulli":
+            output = torch.empty_like(first, dtype=kwargs.get("dtype") or first.dtype)
+        elif name == "native_dropout":
+            output = first.clone()
+            mask = torch.empty_like(first, dtype=torch.bool)
+            bound["mask_out"] = mask
+        else:
+            output = first  # in place
+        spec = self._spec
+        blocks = portable.offsets_consumed(name, spec.shape, output.dtype, **bound)
+        base = self._stream.advance(4 * blocks, self._op_key())
+        portable.portable_fill_(
+            name,
+            output,
+            seed=self._stream.seed,
+            base_offset=base // 4,
+            global_shape=spec.shape,
+            local_ranges=local_ranges(spec),
+            **bound,
+        )
+        return (output, mask) if mask is not None else output
+
+
+@contextlib.contextmanager
+def region(stream: _Stream, spec: DTensorSpec, op_key: Callable[[], bytes]) -> Iterator[None]:
+    """The region in which DTensor runs the local op of ``spec``: its random op draws the
+    portable values from ``stream`` (which moves when the op is dispatched)."""
+    with _InvariantMode(stream, spec, op_key):
+        yield
+
+
+def invariant_op(
+    op_call: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object]
+) -> object:
+    """DTensor's custom handler for :data:`INVARIANT_OPS` while a ``sharding_invariant``
+    tracker is installed: the local op runs in the calling rank's tracker region, whatever
+    the device (DTensor's own CUDA path would read the device generator instead)."""
+    import torch.distributed.tensor._random as dtensor_random
+
+    target = next(a for a in args if isinstance(a, DTensor))
+    spec = target._spec
+    local_kwargs = dict(kwargs)
+    generator = local_kwargs.pop("generator", None)
+    assert generator is None or isinstance(generator, torch.Generator)
+    local_args = [a._local_tensor if isinstance(a, DTensor) else a for a in args]
+    router: Any = dtensor_random._rng_tracker
+    # The tracker reads the op from this frame's local `op_call` (for its fingerprint).
+    with router.tracker().region(spec, generator, sys._getframe()):
+        result = op_call(*local_args, **local_kwargs)
+    if op_call.overloadpacket.__name__.endswith("_"):
+        return target
+    if isinstance(result, tuple):
+        return tuple(_wrap(r, spec) for r in result)
+    return _wrap(result, spec)
+
+
+def _wrap(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    meta = TensorMeta(spec.shape, spec.stride, local.dtype)
+    out_spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
+    return DTensor(local, out_spec, requires_grad=False)  # type: ignore[no-untyped-call]
