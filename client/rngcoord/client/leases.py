@@ -48,9 +48,10 @@ coordinator reports the divergence.
 
 Fingerprints in requests catch a divergence within one lease, and a lease may hold many ops.
 So every :data:`~rngcoord.v1.rules.ATTEST_EVERY` (1,024) ops since the anchor, each rank also
-*attests* its fingerprint (an Attest RPC, sent by the background thread: the op does not
-wait). The coordinator keeps the first attestation of each count and reports a divergence
-to the rank whose bytes differ, and to the others at their next attestation or request:
+*attests* its fingerprint (an Attest RPC, sent by a background thread of its own: neither
+the op nor a lease request waits for it). The coordinator keeps the first attestation of
+each count and reports a divergence to the rank whose bytes differ, and to the others at
+their next attestation or request:
 ranks that ran different ops are caught within 1,024 ops (2,048 for the first to attest),
 whatever the lease sizes, and so are ``shared_stream`` skews.
 
@@ -195,7 +196,7 @@ class LeaseStats:
         reserves: Reserve RPCs sent (all in the background thread).
         received: Leases received.
         stalls: Ops that waited for a lease that had not arrived.
-        attestations: Attest RPCs sent (every 1,024 ops, in the background thread).
+        attestations: Attest RPCs sent (every 1,024 ops, by the attestation thread).
         attest_failures: Attestations lost to an unreachable coordinator or a new epoch.
     """
 
@@ -247,8 +248,11 @@ class LeaseManager:
         self.seed = joined.seed
         self.schedule = schedule if schedule is not None else LeaseSchedule()
         self.stats = LeaseStats()
-        self._queue: queue.SimpleQueue[_Request | _Attestation | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
+        # Attestations have a thread of their own, so that none delays a lease request.
+        self._attestations: queue.SimpleQueue[_Attestation | None] = queue.SimpleQueue()
+        self._attester: threading.Thread | None = None
         self._futures: dict[int, Future[Lease]] = {}
         self._requests: dict[int, _Request] = {}
         self._generation = 0
@@ -311,7 +315,7 @@ class LeaseManager:
         self._recent.append(op_key)
         self._ops += 1
         if self._ops % ATTEST_EVERY == 0:
-            self._queue.put(_Attestation(self._anchor_seq, self._ops, digest[:FINGERPRINT_BYTES]))
+            self._send_attestation(digest)
         return base
 
     def _seq_containing(self, offset: int) -> int:
@@ -418,11 +422,22 @@ class LeaseManager:
 
     # -- the background thread -----------------------------------------------------------
 
+    def _send_attestation(self, digest: bytes) -> None:
+        if self._attester is None:
+            self._attester = threading.Thread(
+                target=self._run_attestations, name=f"rngcoord-attest[{self.group}]", daemon=True
+            )
+            self._attester.start()
+        self._attestations.put(
+            _Attestation(self._anchor_seq, self._ops, digest[:FINGERPRINT_BYTES])
+        )
+
+    def _run_attestations(self) -> None:
+        while (attestation := self._attestations.get()) is not None:
+            self._attest(attestation)
+
     def _run(self) -> None:
         while (request := self._queue.get()) is not None:
-            if isinstance(request, _Attestation):
-                self._attest(request)
-                continue
             if request.generation != self._generation and not request.future.done():
                 request.future.cancel()
                 continue
@@ -525,10 +540,15 @@ class LeaseManager:
 
     def close(self, leave: bool = True) -> None:
         """Stop the background thread; with ``leave`` (default), leave the epoch."""
+        wait_s = self._client.deadline_s * (self._client.retries + 2)
         if self._worker is not None:
             self._queue.put(None)
-            self._worker.join(timeout=self._client.deadline_s * (self._client.retries + 2))
+            self._worker.join(timeout=wait_s)
             self._worker = None
+        if self._attester is not None:
+            self._attestations.put(None)
+            self._attester.join(timeout=wait_s)
+            self._attester = None
         if leave:
             self._client.leave_group(
                 self.job, self.group, epoch=self.epoch, rank=self.rank, member_id=self.member_id
