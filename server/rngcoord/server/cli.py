@@ -14,9 +14,11 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
@@ -434,6 +436,7 @@ def _audit(args: argparse.Namespace) -> int:
         "kinds": tuple(args.kind),
         "since_us": args.since,
     }
+    stop = _stop_on_signals() if args.follow else None
     store = open_store(args.db)
     try:
         # Every record up to this head is listed (or filtered out) by the listing below.
@@ -441,16 +444,13 @@ def _audit(args: argparse.Namespace) -> int:
         listed = _noting_ids(
             audit_records(store, **filters, until_us=args.until, limit=args.limit), seen
         )
-        more = _follow(store, seen, filters, args.poll) if args.follow else None
+        more = _follow(store, seen, filters, args.poll, stop) if stop is not None else None
         if args.json:
             for rec in itertools.chain(listed, more or ()):
                 line = json.dumps(audit_json(rec), sort_keys=True, separators=(",", ":"))
                 print(line, flush=args.follow)
         else:
             print_table(listed, sys.stdout, width=width, then=more)
-    except KeyboardInterrupt:
-        # Ctrl-C is how --follow ends.
-        return 0
     finally:
         store.close()
     return 0
@@ -462,10 +462,20 @@ def _noting_ids(records: Iterable[AuditRecord], seen: list[int]) -> Iterator[Aud
         yield rec
 
 
+def _stop_on_signals() -> threading.Event:
+    """An event that SIGINT and SIGTERM set. `--follow` ends on it between polls: a
+    KeyboardInterrupt raised inside a store read could leave the store's locks held, and
+    its close hanging."""
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    return stop
+
+
 def _follow(
-    store: Store, seen: list[int], filters: dict[str, Any], poll_s: float
+    store: Store, seen: list[int], filters: dict[str, Any], poll_s: float, stop: threading.Event
 ) -> Iterator[AuditRecord]:
-    """Records after `seen[0]` passing `filters`, as they are appended, forever."""
+    """Records after `seen[0]` passing `filters`, as they are appended, until `stop`."""
     from rngcoord.server.audit import fetch_page
     from rngcoord.server.queries import audit_head
 
@@ -473,13 +483,13 @@ def _follow(
         head = audit_head(tx)[0]
         return head, fetch_page(tx, after_id=seen[0], limit=_FOLLOW_PAGE, **filters)
 
-    while True:
+    while not stop.is_set():
         head, page = store.read(read)
         yield from _noting_ids(page, seen)
         if len(page) < _FOLLOW_PAGE:
             # Whatever else was appended up to `head` did not pass the filters.
             seen[0] = max(seen[0], head)
-            time.sleep(poll_s)
+            stop.wait(poll_s)
 
 
 def _report(args: argparse.Namespace) -> int:
