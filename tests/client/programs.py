@@ -465,6 +465,41 @@ def invariant_ops(ctx: Ctx) -> dict[str, Any]:
 
 
 @program
+def invariant_compile(ctx: Ctx) -> dict[str, Any]:
+    """Under the sharding_invariant policy, compiled dropout and uniform_ (aot_eager) against
+    eager, from the same stream start (manual_seed with the job's seed)."""
+    import torch
+    import torch.distributed.tensor as dt
+    import torch.distributed.tensor._random as dtensor_random
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Shard as S
+
+    from rngcoord.client import init_mesh, install
+
+    mesh = init_mesh((ctx.world,), ("tp",), "cpu")
+    tracker = install(
+        mesh, ctx.args["addr"], job="inv-compile", seed=5, policy="sharding_invariant"
+    )
+
+    def step(x: Any) -> Any:
+        return F.dropout(x.uniform_(0.0, 1.0) + 1.0, p=0.5, training=True)
+
+    def run(fn: Any) -> tuple[list[Any], list[int]]:
+        dtensor_random.manual_seed(5, mesh)
+        values, cursors = [], []
+        for _ in range(3):
+            x = dt.ones((8, 8), device_mesh=mesh, placements=[S(0)])
+            values.append(fn(x).to_local().clone())
+            cursors.append(tracker.leases["invariant"].cursor)
+        return values, cursors
+
+    eager = run(step)
+    compiled = run(torch.compile(step, backend="aot_eager"))
+    tracker.close()
+    return {"eager": eager, "compiled": compiled}
+
+
+@program
 def restart(ctx: Ctx) -> dict[str, Any]:
     """rand((16,)) ops in three phases; between them the test kills, then restarts, the
     coordinator. Lease size 256: lease 0 is current and lease 1 has arrived when it dies."""

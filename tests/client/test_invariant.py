@@ -62,6 +62,17 @@ def test_same_values_on_every_mesh(coordinator: Any, tmp_path: Path) -> None:
     assert not torch.equal(reference["rand0"], reference["rand1"])
 
 
+def test_compiled_equals_eager(coordinator: Any, tmp_path: Path) -> None:
+    """torch.compile under the policy: graph breaks at the random ops, the same values and
+    cursors as eager over 3 steps, on two gloo processes."""
+    results = start_gloo("invariant_compile", 2, tmp_path, addr=coordinator.address).wait()
+    for result in results:
+        (eager, eager_cursors), (compiled, compiled_cursors) = result["eager"], result["compiled"]
+        assert compiled_cursors == eager_cursors and eager_cursors[0] > 0
+        assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
+        assert not torch.equal(eager[0], eager[1])
+
+
 def _full_masks(records: Path, steps: range) -> dict[tuple[int, str], torch.Tensor]:
     """Each step's dropout masks as global tensors, assembled from the ranks' local masks
     (the hidden activations are sharded by columns, the outputs replicated)."""

@@ -27,9 +27,8 @@ dispatched random op, on CUDA too, where DTensor would otherwise take the
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rngcoord.client import portable
 from rngcoord.client.errors import RNGCoordError
+from rngcoord.client.router import not_compiled
 
 if TYPE_CHECKING:
     from rngcoord.client.tracker import _Stream
@@ -129,14 +129,25 @@ class _InvariantMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return (output, mask) if mask is not None else output
 
 
-@contextlib.contextmanager
-def region(stream: _Stream, spec: DTensorSpec, op_key: Callable[[], bytes]) -> Iterator[None]:
+class InvariantRegion:
     """The region in which DTensor runs the local op of ``spec``: its random op draws the
-    portable values from ``stream`` (which moves when the op is dispatched)."""
-    with _InvariantMode(stream, spec, op_key):
-        yield
+    portable values from ``stream`` (which moves when the op is dispatched).
+
+    Its entry and exit are hidden from Dynamo, like the tracker's other regions."""
+
+    def __init__(self, stream: _Stream, spec: DTensorSpec, op_key: Callable[[], bytes]) -> None:
+        self._mode = _InvariantMode(stream, spec, op_key)
+
+    @not_compiled
+    def __enter__(self) -> None:
+        self._mode.__enter__()  # type: ignore[no-untyped-call]
+
+    @not_compiled
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)  # type: ignore[no-untyped-call]
 
 
+@not_compiled
 def invariant_op(
     op_call: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object]
 ) -> object:

@@ -241,7 +241,7 @@ _CALLERS: dict[types.CodeType | None, str] = {
     _init_helper_code(): "init_op",
     # Wrapped by torch.compiler.disable; the frame that calls the tracker is the inner one.
     getattr(extra_random_op, "__wrapped__", extra_random_op).__code__: "op_call",
-    invariant.invariant_op.__code__: "op_call",
+    getattr(invariant.invariant_op, "__wrapped__", invariant.invariant_op).__code__: "op_call",
 }
 _CALLERS.pop(None, None)
 
@@ -507,7 +507,7 @@ class RNGStateTracker:
         if generator is not None:
             return self._generator_region(plan, generator)
         if self.policy == "sharding_invariant":
-            return invariant.region(stream, spec, lambda: self._op_key(plan, caller))
+            return invariant.InvariantRegion(stream, spec, lambda: self._op_key(plan, caller))
         if self._cpu_writer is not None:
             base = stream.advance(plan.end, self._op_key(plan, caller))
             return _CPURegion(self._cpu_writer, cpu_key(stream.seed, base + plan.start))
