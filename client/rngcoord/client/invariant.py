@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -39,11 +39,18 @@ from torch.distributed.tensor.placement_types import Partial, _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rngcoord.client import portable
+from rngcoord.client.compiling import not_compiled
 from rngcoord.client.errors import RNGCoordError
-from rngcoord.client.router import not_compiled
 
-if TYPE_CHECKING:
-    from rngcoord.client.tracker import _Stream
+
+class Stream(Protocol):
+    """The stream an op draws from (the tracker's): its seed, and ``advance(size, op_key)``,
+    which accounts an op of ``size`` offsets and returns its base."""
+
+    seed: int
+
+    def advance(self, size: int, op_key: bytes) -> int: ...
+
 
 _aten = torch.ops.aten
 #: The random ops the policy handles (DTensor's random ops, and ``random_``).
@@ -82,7 +89,7 @@ def local_ranges(spec: DTensorSpec) -> list[tuple[int, int]]:
 class _InvariantMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Replaces the local random op of one DTensor op with its portable values."""
 
-    def __init__(self, stream: _Stream, spec: DTensorSpec, op_key: Callable[[], bytes]) -> None:
+    def __init__(self, stream: Stream, spec: DTensorSpec, op_key: Callable[[], bytes]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._stream = stream
         self._spec = spec
@@ -135,7 +142,7 @@ class InvariantRegion:
 
     Its entry and exit are hidden from Dynamo, like the tracker's other regions."""
 
-    def __init__(self, stream: _Stream, spec: DTensorSpec, op_key: Callable[[], bytes]) -> None:
+    def __init__(self, stream: Stream, spec: DTensorSpec, op_key: Callable[[], bytes]) -> None:
         self._mode = _InvariantMode(stream, spec, op_key)
 
     @not_compiled

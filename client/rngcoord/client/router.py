@@ -32,8 +32,8 @@ import contextlib
 import sys
 import threading
 import types
-from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, cast
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,16 +43,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Partial
 
+from rngcoord.client.compiling import not_compiled
 from rngcoord.client.errors import RNGCoordError
 
 _lock = threading.Lock()
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def not_compiled(fn: _F) -> _F:
-    """``torch.compiler.disable`` with its type kept: Dynamo never compiles ``fn`` or what it
-    calls (see the module docstring of rngcoord.client.tracker)."""
-    return cast(_F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
 
 
 class RankTracker(Protocol):
@@ -62,8 +56,8 @@ class RankTracker(Protocol):
     """The global rank the tracker serves."""
 
     @property
-    def policy(self) -> str:
-        """``"offsets"`` or ``"sharding_invariant"`` (which needs the policy's op handlers)."""
+    def op_handlers(self) -> Mapping[torch._ops.OpOverload, Callable[..., object]]:
+        """DTensor custom op handlers this tracker needs while registered (its policy's)."""
         ...
 
     distribute_region_enabled: bool
@@ -185,16 +179,21 @@ def _handlers() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
     return handlers
 
 
-def _update_invariant_handlers(router: TrackerRouter) -> None:
-    """Route every DTensor random op through the trackers' regions while a tracker with the
-    sharding_invariant policy is registered (rngcoord.client.invariant)."""
-    from rngcoord.client.invariant import INVARIANT_OPS, invariant_op
+# The custom op handlers installed on behalf of the registered trackers' policies.
+_policy_handlers: dict[torch._ops.OpOverload, Callable[..., object]] = {}
 
-    if any(t.policy == "sharding_invariant" for t in router._trackers.values()):
-        _handlers().update(dict.fromkeys(INVARIANT_OPS, invariant_op))
-    else:
-        for op in INVARIANT_OPS:
-            _handlers().pop(op, None)
+
+def _update_policy_handlers(router: TrackerRouter) -> None:
+    """Install the op handlers the registered trackers need (the sharding_invariant policy
+    routes every DTensor random op through the trackers' regions), and only those."""
+    wanted: dict[torch._ops.OpOverload, Callable[..., object]] = {}
+    for tracker in router._trackers.values():
+        wanted.update(tracker.op_handlers)
+    for op in _policy_handlers.keys() - wanted.keys():
+        _handlers().pop(op, None)
+    _handlers().update(wanted)
+    _policy_handlers.clear()
+    _policy_handlers.update(wanted)
 
 
 def register(tracker: RankTracker) -> RankTracker | None:
@@ -215,7 +214,7 @@ def register(tracker: RankTracker) -> RankTracker | None:
             _handlers().update(dict.fromkeys(EXTRA_RANDOM_OPS, extra_random_op))
         previous = router._trackers.get(tracker.rank)
         router._trackers[tracker.rank] = tracker
-        _update_invariant_handlers(router)
+        _update_policy_handlers(router)
         return previous if previous is not tracker else None
 
 
@@ -227,7 +226,7 @@ def unregister(tracker: RankTracker) -> None:
             return
         if router._trackers.get(tracker.rank) is tracker:
             del router._trackers[tracker.rank]
-        _update_invariant_handlers(router)
+        _update_policy_handlers(router)
         if not router._trackers:
             dtensor_random._rng_tracker = None
             dtensor_random.manual_seed = _upstream_manual_seed

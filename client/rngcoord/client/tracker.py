@@ -73,7 +73,7 @@ import sys
 import threading
 import types
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -85,6 +85,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from rngcoord.client import invariant
+from rngcoord.client.compiling import not_compiled
 from rngcoord.client.connection import CoordinatorClient
 from rngcoord.client.devices import (
     CPUStateWriter,
@@ -98,7 +99,7 @@ from rngcoord.client.devices import (
 from rngcoord.client.errors import InvalidRequest, RNGCoordError, StoreMismatchError
 from rngcoord.client.groups import GroupSpec, invariant_group, shared_group, stream_group
 from rngcoord.client.leases import INITIAL_DIGEST, LeaseManager, LeaseSchedule, StreamState
-from rngcoord.client.router import extra_random_op, not_compiled, unregister
+from rngcoord.client.router import extra_random_op, unregister
 from rngcoord.v1.types import JoinResult
 
 logger = logging.getLogger(__name__)
@@ -475,6 +476,14 @@ class RNGStateTracker:
                 entry["origin"],
                 entry["largest_op"],
             )
+
+    @property
+    def op_handlers(self) -> Mapping[torch._ops.OpOverload, Callable[..., object]]:
+        """DTensor custom op handlers this tracker needs while registered: under the
+        sharding_invariant policy, every random op goes through its region."""
+        if self.policy == "sharding_invariant":
+            return dict.fromkeys(invariant.INVARIANT_OPS, invariant.invariant_op)
+        return {}
 
     # -- DTensor's hooks ----------------------------------------------------------------------
 

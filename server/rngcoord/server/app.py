@@ -17,8 +17,8 @@ connections that never speak HTTP/2, an idle timeout, keepalive pings, requests 
 Restore wait caps.
 
 `start_server` runs one in a background thread of its own, for embedding in another program
-or a test. `serve` is what `rngcoord serve` runs: one process (`workers=1`), or a supervisor
-of several worker processes that share the port (rngcoord.server.workers). It writes the ready
+or a test. `serve` is what `rngcoord serve` runs in one process; several worker processes that
+share the port are rngcoord.server.workers.serve_workers. It writes the ready
 file, reloads the token file on SIGHUP, waits for SIGTERM or SIGINT, then drains (health
 NOT_SERVING, in-flight RPCs get `grace_s` to finish), closes the store and returns exit
 status 0.
@@ -509,17 +509,15 @@ def start_server(listen: str, db_url: str, **options: Any) -> RunningServer:
 def serve(
     options: ServerOptions,
     *,
-    workers: int = 1,
     ready_file: Path | None = None,
     grace_s: float = 10.0,
     log_level: int | str = logging.INFO,
 ) -> int:
-    """Run until SIGTERM or SIGINT, then drain; returns the exit status (0).
+    """Serve from this process until SIGTERM or SIGINT, then drain; returns the exit status
+    (0). Several processes on one port: rngcoord.server.workers.serve_workers.
 
     Args:
         options: what to serve.
-        workers: processes serving the port, each with its own event loop (one core each).
-            Default 1: this process serves.
         ready_file: once serving, the bound "HOST:PORT" is written here (atomically, so a
             reader never sees half of it). Default None: no file.
         grace_s: how long in-flight RPCs may run on after the signal. Default 10.
@@ -529,14 +527,6 @@ def serve(
     during the drain ends the process at once; SIGHUP reloads the token file.
     """
     configure(log_level)
-    if workers > 1:
-        from rngcoord.server.workers import supervise
-
-        # The store is created, keyed and floored once, here; the workers only open it.
-        store, _chain = open_for_serving(options)
-        store.close()
-        options = replace(options, init=False, floor_from=())
-        return supervise(options, workers, ready_file=ready_file, grace_s=grace_s)
     return asyncio.run(_serve_here(options, ready_file, grace_s))
 
 

@@ -411,13 +411,17 @@ def _serve(args: argparse.Namespace) -> int:
         peer_burst=args.peer_burst,
         status_open=args.status_open,
     )
-    return serve(
-        options,
-        workers=args.workers,
-        ready_file=args.ready_file,
-        grace_s=args.grace,
-        log_level=args.log_level,
-    )
+    if args.workers > 1:
+        from rngcoord.server.workers import serve_workers
+
+        return serve_workers(
+            options,
+            args.workers,
+            ready_file=args.ready_file,
+            grace_s=args.grace,
+            log_level=args.log_level,
+        )
+    return serve(options, ready_file=args.ready_file, grace_s=args.grace, log_level=args.log_level)
 
 
 def _audit(args: argparse.Namespace) -> int:

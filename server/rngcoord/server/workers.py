@@ -36,7 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from rngcoord.server.addresses import join_host_port, split_host_port
-from rngcoord.server.app import ServerOptions, run_server, with_port, write_atomically
+from rngcoord.server.app import (
+    ServerOptions,
+    open_for_serving,
+    run_server,
+    with_port,
+    write_atomically,
+)
 from rngcoord.server.auth import load_tokens
 from rngcoord.server.logs import configure, event, get_logger
 from rngcoord.server.status import StatusThread
@@ -47,6 +53,24 @@ __all__ = ["supervise"]
 START_TIMEOUT_S = 120.0
 _RESTART_BACKOFF_S = 1.0
 _log = get_logger("workers")
+
+
+def serve_workers(
+    options: ServerOptions,
+    workers: int,
+    *,
+    ready_file: Path | None = None,
+    grace_s: float = 10.0,
+    log_level: int | str = logging.INFO,
+) -> int:
+    """`rngcoord serve --workers N` (N > 1): create, key and floor the store once, here (the
+    workers only open it), then `supervise` the workers. Arguments as for
+    rngcoord.server.app.serve."""
+    configure(log_level)
+    store, _chain = open_for_serving(options)
+    store.close()
+    options = replace(options, init=False, floor_from=())
+    return supervise(options, workers, ready_file=ready_file, grace_s=grace_s)
 
 
 def supervise(
