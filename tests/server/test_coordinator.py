@@ -45,7 +45,7 @@ from rngcoord.server.errors import (
 )
 from rngcoord.server.sqlite import SqliteStore
 from rngcoord.server.verify import verify
-from rngcoord.v1.rules import MAX_OFFSET
+from rngcoord.v1.rules import ATTEST_EVERY, MAX_OFFSET
 from rngcoord.v1.types import AuditRecord, JoinResult, Lease, RestoreResult, members_digest
 
 T = TypeVar("T")
@@ -704,6 +704,45 @@ def test_storm_gets_identical_non_overlapping_leases(h: InProcess) -> None:
     assert len(records(h, "grant")) == seqs
     assert sum(1 for run in runs for r in run if not r.existing) == seqs
     assert verify(h.store).ok
+
+
+def test_agreeing_attestations_write_once_and_a_divergent_one_is_recorded(h: InProcess) -> None:
+    """64 members attest the same count: the first one writes, the others compare on a reader
+    or in memory. Then a member with other bytes diverges the epoch (one more write)."""
+    members = [f"m{rank}" for rank in range(64)]
+    joined = form(h, "att", members, job=JOB)
+
+    def attest(rank: int, fingerprint: bytes) -> None:
+        h.run(
+            h.coord.attest(
+                JOB,
+                "att",
+                epoch=joined.epoch,
+                anchor_seq=0,
+                ops=ATTEST_EVERY,
+                fingerprint=fingerprint,
+                rank=rank,
+                member_id=members[rank],
+            )
+        )
+
+    writes = h.store.writes
+    for rank in range(64):
+        attest(rank, b"same")
+    attest(0, b"same")
+    assert h.store.writes == writes + 1
+    with pytest.raises(Divergence, match="after 1024 random ops: rank 7"):
+        attest(7, b"other")
+    assert h.store.writes == writes + 2
+    # Memory never answers for a diverged epoch, even for bytes that agree.
+    with pytest.raises(Divergence):
+        attest(1, b"same")
+    (record,) = records(h, "divergence")
+    assert (record.detail["ops"], record.detail["rank"], record.detail["attested_rank"]) == (
+        ATTEST_EVERY,
+        7,
+        0,
+    )
 
 
 def test_a_committed_grant_survives_an_abandoned_store(db: Path, loop: LoopThread) -> None:

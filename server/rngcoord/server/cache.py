@@ -1,15 +1,18 @@
 """The coordinator's memory of what it has read or written, so that a hit costs no store read.
 
-Three bounded maps, each evicting its oldest entry when full:
+Four bounded maps, each evicting its oldest entry when full:
 
 - leases by (job, group, epoch, seq): a granted lease never changes, so it is kept as is;
 - members by (job, group, epoch, rank): a member id, or "" once the member left;
-- groups by (job, group): the seed, the current epoch and its divergence record.
+- groups by (job, group): the seed, the current epoch and its divergence record;
+- attestations by (job, group, epoch, anchor seq, op count): the first fingerprint attested,
+  which never changes either.
 
-Granted leases and formed epochs never change; what does change (a group's current epoch, a
-divergence, a leave) is dropped from the cache by the change feed (rngcoord.server.feed) and by
-this process's own writes, and a hit uses the cache only while the feed is fresh (docs/design.md
-§7.4 gives the staleness bound). Grants, and the fencing of grants, always consult the store.
+Granted leases, first attestations and formed epochs never change; what does change (a
+group's current epoch, a divergence, a leave) is dropped from the cache by the change feed
+(rngcoord.server.feed) and by this process's own writes, and a hit uses the cache only while
+the feed is fresh (docs/design.md §7.4 gives the staleness bound). Grants, first
+attestations and divergences, and the fencing of grants, always consult the store.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from typing import Generic, TypeVar
 
 from rngcoord.server.queries import LeaseRow
 
-__all__ = ["Bounded", "Cache", "GroupState"]
+__all__ = ["AttestationKey", "Bounded", "Cache", "GroupState"]
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
+#: (job, group, epoch, anchor seq, op count) of an attestation.
+AttestationKey = tuple[str, str, int, int, int]
 
 
 class Bounded(Generic[K, V]):
@@ -63,17 +68,24 @@ class GroupState:
 
 
 class Cache:
-    """The three bounded maps of one coordinator process.
+    """The four bounded maps of one coordinator process.
 
     Args:
         leases: most leases kept. Default 1,048,576 (about 200 MB at most).
         members: most (epoch, rank) member ids kept. Default 2,097,152.
         groups: most groups kept. Default 262,144.
+        attestations: most first attestations kept. Default 262,144.
     """
 
     def __init__(
-        self, *, leases: int = 1 << 20, members: int = 1 << 21, groups: int = 1 << 18
+        self,
+        *,
+        leases: int = 1 << 20,
+        members: int = 1 << 21,
+        groups: int = 1 << 18,
+        attestations: int = 1 << 18,
     ) -> None:
         self.leases: Bounded[tuple[str, str, int, int], LeaseRow] = Bounded(leases)
         self.members: Bounded[tuple[str, str, int, int], str] = Bounded(members)
         self.groups: Bounded[tuple[str, str], GroupState] = Bounded(groups)
+        self.attestations: Bounded[AttestationKey, bytes] = Bounded(attestations)

@@ -36,7 +36,7 @@ from typing import TypeVar
 from rngcoord.server import audit, queries
 from rngcoord.server.audit import Chain
 from rngcoord.server.barrier import Barriers, JoinRequest, rank_list
-from rngcoord.server.cache import Cache, GroupState
+from rngcoord.server.cache import AttestationKey, Cache, GroupState
 from rngcoord.server.clock import Clock, SystemClock
 from rngcoord.server.errors import (
     Divergence,
@@ -611,25 +611,21 @@ class Coordinator:
         if granted is not None:
             if granted.size == size and granted.fingerprint == fingerprint:
                 return Lease(group, epoch, seq, state.seed, granted.start, granted.end, True)
-            message = (
-                f"divergence in group {group!r} epoch {epoch} seq {seq}: rank {rank} asked for "
-                f"size={size} fingerprint={fingerprint.hex()} but rank {state.granted_rank} was "
-                f"granted size={granted.size} fingerprint={granted.fingerprint.hex()}; the ranks "
-                "disagree about the sequence of random ops"
-            )
-            ranks = sorted({rank, state.granted_rank or 0})
-            record = json.dumps({"message": message, "seq": seq, "ranks": ranks})
-            queries.set_diverged(tx, job, group, epoch, record)
-            self._chain.append(
+            return self._record_divergence(
                 tx,
-                ts_us=now_us,
                 job=job,
                 group=group,
-                kind="divergence",
-                actor=actor,
+                epoch=epoch,
+                message=(
+                    f"divergence in group {group!r} epoch {epoch} seq {seq}: rank {rank} asked "
+                    f"for size={size} fingerprint={fingerprint.hex()} but rank "
+                    f"{state.granted_rank} was granted size={granted.size} "
+                    f"fingerprint={granted.fingerprint.hex()}; the ranks disagree about the "
+                    "sequence of random ops"
+                ),
+                ranks=(rank, state.granted_rank or 0),
+                at={"seq": seq},
                 detail={
-                    "epoch": epoch,
-                    "seq": seq,
                     "rank": rank,
                     "size": size,
                     "fingerprint": fingerprint.hex(),
@@ -637,9 +633,10 @@ class Coordinator:
                     "granted_size": granted.size,
                     "granted_fingerprint": granted.fingerprint.hex(),
                 },
+                actor=actor,
+                now_us=now_us,
                 head=state.head,
             )
-            return _diverged(job, group, epoch, record)
         if state.restored_cursor is not None:
             start = state.restored_cursor
         elif seq == 0:
@@ -735,57 +732,121 @@ class Coordinator:
             check_rank(rank)
             check_member_id(member_id)
 
+        key = (job, group, epoch, anchor_seq, ops)
+        if self._attested_in_memory(key, rank, member_id, fingerprint):
+            return
+        # Every member attests each count and the first one writes it: the others compare on
+        # a reader, and only a first attestation or a divergence reaches the writer.
+        first = await self._read(
+            functools.partial(self._attest_state, key=key, rank=rank, member_id=member_id)
+        )
+        if first is not None and first[0] == fingerprint:
+            self._cache.attestations.put(key, fingerprint)
+            return
+
         def attest_tx(tx: Tx, now_us: int) -> Divergence | None:
-            g = queries.group_row(tx, job, group)
-            if g is None:
-                raise _not_found(job, group, queries.job_seed(tx, job) is not None)
-            _check_epoch(g.epoch, job, group, epoch)
-            found = queries.member(tx, job, group, epoch, rank)
-            if found is None or found[0] != member_id or found[1] is not None:
-                raise _not_member(job, group, epoch, rank, member_id)
-            row = queries.epoch_row(tx, job, group, epoch)
-            if row is not None and row.diverged is not None:
-                raise _diverged(job, group, epoch, row.diverged)
-            first = queries.attestation(tx, job, group, epoch, anchor_seq, ops)
+            first = self._attest_state(tx, key=key, rank=rank, member_id=member_id)
             if first is None:
-                queries.insert_attestation(
-                    tx, job, group, epoch, anchor_seq, ops, fingerprint, rank, now_us
-                )
+                queries.insert_attestation(tx, *key, fingerprint, rank, now_us)
                 return None
             if first[0] == fingerprint:
                 return None
-            message = (
-                f"divergence in group {group!r} epoch {epoch} after {ops} random ops: rank "
-                f"{rank} attested fingerprint={fingerprint.hex()} but rank {first[1]} attested "
-                f"fingerprint={first[0].hex()}; the ranks disagree about the sequence of "
-                "random ops"
-            )
-            ranks = sorted({rank, first[1]})
-            record = json.dumps({"message": message, "ops": ops, "ranks": ranks})
-            queries.set_diverged(tx, job, group, epoch, record)
-            self._chain.append(
+            return self._record_divergence(
                 tx,
-                ts_us=now_us,
                 job=job,
                 group=group,
-                kind="divergence",
-                actor=actor,
+                epoch=epoch,
+                message=(
+                    f"divergence in group {group!r} epoch {epoch} after {ops} random ops: rank "
+                    f"{rank} attested fingerprint={fingerprint.hex()} but rank {first[1]} "
+                    f"attested fingerprint={first[0].hex()}; the ranks disagree about the "
+                    "sequence of random ops"
+                ),
+                ranks=(rank, first[1]),
+                at={"anchor_seq": anchor_seq, "ops": ops},
                 detail={
-                    "epoch": epoch,
-                    "anchor_seq": anchor_seq,
-                    "ops": ops,
                     "rank": rank,
                     "fingerprint": fingerprint.hex(),
                     "attested_rank": first[1],
                     "attested_fingerprint": first[0].hex(),
                 },
+                actor=actor,
+                now_us=now_us,
             )
-            return _diverged(job, group, epoch, record)
 
         diverged = await self._write(functools.partial(attest_tx, now_us=self._clock.now_us()))
         if diverged is not None:
             self._cache.groups.drop((job, group))
             raise diverged
+        self._cache.attestations.put(key, fingerprint)
+
+    def _attested_in_memory(
+        self, key: AttestationKey, rank: int, member_id: str, fingerprint: bytes
+    ) -> bool:
+        """True when memory alone shows this attestation agrees: the group's current epoch,
+        not diverged, this member, and the same first attestation (which never changes)."""
+        if not self._feed.fresh():
+            return False
+        job, group, epoch = key[:3]
+        state = self._cache.groups.get((job, group))
+        if state is None or state.epoch != epoch or state.diverged is not None:
+            return False
+        if self._cache.members.get((job, group, epoch, rank)) != member_id:
+            return False
+        return self._cache.attestations.get(key) == fingerprint
+
+    def _attest_state(
+        self, tx: Tx, *, key: AttestationKey, rank: int, member_id: str
+    ) -> tuple[bytes, int] | None:
+        """Refuse an Attest from outside the group's current, undiverged epoch; return the
+        first attestation of `key`, if any. Fills the cache as Reserve's reads do."""
+        job, group, epoch = key[:3]
+        g = queries.group_row(tx, job, group)
+        if g is None:
+            raise _not_found(job, group, queries.job_seed(tx, job) is not None)
+        _check_epoch(g.epoch, job, group, epoch)
+        found = queries.member(tx, job, group, epoch, rank)
+        if found is None or found[0] != member_id or found[1] is not None:
+            raise _not_member(job, group, epoch, rank, member_id)
+        row = queries.epoch_row(tx, job, group, epoch)
+        diverged = None if row is None else row.diverged
+        self._cache.groups.put((job, group), GroupState(g.seed, g.epoch, diverged))
+        self._cache.members.put((job, group, epoch, rank), member_id)
+        if diverged is not None:
+            raise _diverged(job, group, epoch, diverged)
+        return queries.attestation(tx, *key)
+
+    def _record_divergence(
+        self,
+        tx: Tx,
+        *,
+        job: str,
+        group: str,
+        epoch: int,
+        message: str,
+        ranks: tuple[int, int],
+        at: dict[str, int],
+        detail: dict[str, object],
+        actor: str,
+        now_us: int,
+        head: tuple[int, str] | None = None,
+    ) -> Divergence:
+        """Mark the epoch diverged and audit it, inside the writer's transaction; return the
+        refusal (returned, not raised: the record must commit). `at` locates it: a lease
+        seq, or an attested op count."""
+        record = json.dumps({"message": message, **at, "ranks": sorted(set(ranks))})
+        queries.set_diverged(tx, job, group, epoch, record)
+        self._chain.append(
+            tx,
+            ts_us=now_us,
+            job=job,
+            group=group,
+            kind="divergence",
+            actor=actor,
+            detail={"epoch": epoch, **at, **detail},
+            head=head,
+        )
+        return _diverged(job, group, epoch, record)
 
     # -------------------------------------------------------------------------- leave
 
