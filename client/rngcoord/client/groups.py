@@ -30,11 +30,13 @@ too long or has other characters.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
-import itertools
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from rngcoord.v1.rules import NAME_PATTERN
@@ -133,6 +135,25 @@ def is_split_dim(name: str | None, split_dims: Collection[str] | None) -> bool:
     return name in split_dims
 
 
+def _locate(root: DeviceMesh, ranks: torch.Tensor) -> torch.Tensor | None:
+    """The coordinates in ``root`` of each of ``ranks`` (one row each), or None when one of
+    them is not in ``root``. Tensor ops throughout: a root of 10^5 ranks takes milliseconds."""
+    grid = root.mesh.flatten()
+    size = int(max(int(grid.max()), int(ranks.max()))) + 1
+    where = torch.full((size,), -1, dtype=torch.long)
+    where[grid] = torch.arange(grid.numel())
+    positions = where[ranks]
+    if bool((positions < 0).any()):
+        return None
+    return torch.stack(torch.unravel_index(positions, tuple(root.mesh.shape)), dim=1)
+
+
+def _ranks_with(root: DeviceMesh, coordinate: torch.Tensor, dims: Collection[int]) -> list[int]:
+    """The root's ranks, sorted, whose coordinates on ``dims`` are ``coordinate``'s."""
+    index = tuple(int(coordinate[d]) if d in dims else slice(None) for d in range(root.ndim))
+    return sorted(int(r) for r in root.mesh[index].flatten().tolist())
+
+
 def stream_group(
     mesh: DeviceMesh,
     global_rank: int,
@@ -154,24 +175,26 @@ def stream_group(
     own = mesh_group(mesh, global_rank)
     if root is None:
         return own
-    coords = {
-        int(root.mesh[index].item()): index
-        for index in itertools.product(*(range(n) for n in root.mesh.shape))
-    }
-    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
-    if len(ranks) == len(coords) or not all(r in coords for r in ranks):
-        return own  # the root itself (perhaps reshaped), or a mesh across roots
-    mine = coords[global_rank]
-    fixed = [d for d in range(root.ndim) if all(coords[r][d] == mine[d] for r in ranks)]
-    if sorted(ranks) != sorted(r for r, c in coords.items() if all(c[d] == mine[d] for d in fixed)):
+    ranks = mesh.mesh.flatten()
+    if ranks.numel() == root.mesh.numel():
+        return own  # the root itself, perhaps reshaped
+    coords = _locate(root, ranks)
+    if coords is None:
+        return own  # a mesh across roots
+    mine = coords[own.rank]
+    fixed = [d for d in range(root.ndim) if bool((coords[:, d] == mine[d]).all())]
+    # The mesh's ranks all lie in the slice through `mine` along the other dims; it is that
+    # slice when it holds as many distinct ranks.
+    slice_size = math.prod(root.mesh.shape[d] for d in range(root.ndim) if d not in fixed)
+    if torch.unique(ranks).numel() != ranks.numel() or ranks.numel() != slice_size:
         return own  # not a slice: a hand-built mesh of some of the root's ranks
     names = root.mesh_dim_names or (None,) * root.ndim
     split = [d for d in fixed if is_split_dim(names[d], split_dims)]
-    union = sorted(r for r, c in coords.items() if all(c[d] == mine[d] for d in split))
-    if len(union) == len(ranks):
+    union = _ranks_with(root, mine, split)
+    if len(union) == ranks.numel():
         return own
     name = group_name(mesh.mesh_dim_names, tuple(mesh.mesh.shape), union)
-    return GroupSpec(name=name, rank=union.index(global_rank), world_size=len(union))
+    return GroupSpec(name=name, rank=bisect.bisect_left(union, global_rank), world_size=len(union))
 
 
 def invariant_group(
@@ -181,14 +204,13 @@ def invariant_group(
     pipeline stage, named without the mesh's shape or ranks so that a resized job joins the
     same stream (``invariant``, or ``invariant[pp:1]`` with the stage's coordinates on the
     split dims). Its members are the root's ranks with this rank's split coordinates."""
-    coords = {
-        int(root.mesh[index].item()): index
-        for index in itertools.product(*(range(n) for n in root.mesh.shape))
-    }
-    mine = coords[global_rank]
+    located = _locate(root, torch.tensor([global_rank]))
+    if located is None:
+        raise ValueError(f"rank {global_rank} is not part of {root}")
+    mine = located[0]
     names = root.mesh_dim_names or (None,) * root.ndim
     split = [d for d in range(root.ndim) if is_split_dim(names[d], split_dims)]
-    ranks = sorted(r for r, c in coords.items() if all(c[d] == mine[d] for d in split))
-    suffix = ",".join(f"{names[d]}:{mine[d]}" for d in split)
+    ranks = _ranks_with(root, mine, split)
+    suffix = ",".join(f"{names[d]}:{int(mine[d])}" for d in split)
     name = f"invariant[{suffix}]" if suffix else "invariant"
-    return GroupSpec(name=name, rank=ranks.index(global_rank), world_size=len(ranks))
+    return GroupSpec(name=name, rank=bisect.bisect_left(ranks, global_rank), world_size=len(ranks))

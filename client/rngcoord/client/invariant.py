@@ -20,20 +20,19 @@ for any mesh shape and placement; and the stream itself does not depend on the m
 
 How an op reaches it: the tracker's region pushes :class:`_InvariantMode`, a
 TorchDispatchMode that catches the local random op DTensor runs inside the region (the
-factories ``rand``/``randn``, and, through :func:`invariant_op`, a custom op handler, every
-dispatched random op, on CUDA too, where DTensor would otherwise take the
-``run_dtensor_rng_op`` path), and returns the portable values instead.
+factories ``rand``/``randn``, and, through the router's custom op handler
+``rngcoord.client.router.random_op``, every dispatched random op, on CUDA too, where DTensor
+would otherwise take the ``run_dtensor_rng_op`` path), and returns the portable values
+instead.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Partial, _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -152,35 +151,3 @@ class InvariantRegion:
     @not_compiled
     def __exit__(self, *exc: Any) -> None:
         self._mode.__exit__(*exc)  # type: ignore[no-untyped-call]
-
-
-@not_compiled
-def invariant_op(
-    op_call: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object]
-) -> object:
-    """DTensor's custom handler for :data:`INVARIANT_OPS` while a ``sharding_invariant``
-    tracker is installed: the local op runs in the calling rank's tracker region, whatever
-    the device (DTensor's own CUDA path would read the device generator instead)."""
-    import torch.distributed.tensor._random as dtensor_random
-
-    target = next(a for a in args if isinstance(a, DTensor))
-    spec = target._spec
-    local_kwargs = dict(kwargs)
-    generator = local_kwargs.pop("generator", None)
-    assert generator is None or isinstance(generator, torch.Generator)
-    local_args = [a._local_tensor if isinstance(a, DTensor) else a for a in args]
-    router: Any = dtensor_random._rng_tracker
-    # The tracker reads the op from this frame's local `op_call` (for its fingerprint).
-    with router.tracker().region(spec, generator, sys._getframe()):
-        result = op_call(*local_args, **local_kwargs)
-    if op_call.overloadpacket.__name__.endswith("_"):
-        return target
-    if isinstance(result, tuple):
-        return tuple(_wrap(r, spec) for r in result)
-    return _wrap(result, spec)
-
-
-def _wrap(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    meta = TensorMeta(spec.shape, spec.stride, local.dtype)
-    out_spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
-    return DTensor(local, out_spec, requires_grad=False)  # type: ignore[no-untyped-call]

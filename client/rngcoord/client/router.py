@@ -22,7 +22,7 @@ While a tracker is registered, two more of DTensor's entry points lead to it:
   so shards repeat. Adding them to ``OpDispatcher._random_ops`` does not help, because the
   C++ dispatch fast path keeps its own list (``is_random_op`` in python_variable.cpp) and
   never reaches the Python slow path for them; ``OpDispatcher._custom_op_handlers`` is
-  consulted first, so :func:`extra_random_op` is registered there and runs them in the
+  consulted first, so :func:`random_op` is registered there and runs them in the
   tracker's region like any other random op.
 """
 
@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.distributed.tensor._random as dtensor_random
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial
 
 from rngcoord.client.compiling import not_compiled
@@ -147,13 +147,15 @@ def manual_seed(seed: int, device_mesh: DeviceMesh) -> None:
 
 
 @not_compiled
-def extra_random_op(
+def random_op(
     op_call: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object]
 ) -> object:
-    """DTensor's custom handler for :data:`EXTRA_RANDOM_OPS`: fill each local shard inside
-    the calling rank's tracker region, as DTensor's dispatch does for its own random ops."""
-    target = args[0]
-    assert isinstance(target, DTensor)
+    """DTensor's custom handler for random ops that DTensor would not run in the tracker's
+    region (:data:`EXTRA_RANDOM_OPS`; every random op under the sharding_invariant policy,
+    whose regions replace the local op, on every device): the local op runs inside the
+    calling rank's tracker region, as DTensor's dispatch runs its own random ops there. The
+    output has the input's placements (random ops are elementwise)."""
+    target = next(a for a in args if isinstance(a, DTensor))
     spec = target._spec
     if any(isinstance(p, Partial) for p in spec.placements):
         raise RNGCoordError(
@@ -163,13 +165,29 @@ def extra_random_op(
     local_kwargs = dict(kwargs)
     generator = local_kwargs.pop("generator", None)
     assert generator is None or isinstance(generator, torch.Generator)
-    if not target._local_tensor.is_meta and target.numel() > 0:
+    local_args = [a._local_tensor if isinstance(a, DTensor) else a for a in args]
+    if target._local_tensor.is_meta:
+        # As in DTensor's dispatch: meta tensors hold no values, so no stream moves.
+        result = op_call(*local_args, **local_kwargs)
+    else:
         router = dtensor_random._rng_tracker
         assert isinstance(router, TrackerRouter)
         # The tracker reads the op from this frame's local `op_call` (for its fingerprint).
         with router.tracker().region(spec, generator, sys._getframe()):
-            op_call(target._local_tensor, *args[1:], **local_kwargs)
-    return target
+            result = op_call(*local_args, **local_kwargs)
+    if op_call.overloadpacket.__name__.endswith("_"):
+        return target
+    if isinstance(result, tuple):
+        return tuple(_like(r, spec) for r in result)
+    assert isinstance(result, torch.Tensor)
+    return _like(result, spec)
+
+
+def _like(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """A DTensor of `local` with `spec`'s mesh, placements and shape, and `local`'s dtype."""
+    meta = TensorMeta(spec.shape, spec.stride, local.dtype)
+    out_spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
+    return DTensor(local, out_spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
 
 def _handlers() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
@@ -211,7 +229,7 @@ def register(tracker: RankTracker) -> RankTracker | None:
             router = TrackerRouter()
             dtensor_random._rng_tracker = router
             dtensor_random.manual_seed = manual_seed
-            _handlers().update(dict.fromkeys(EXTRA_RANDOM_OPS, extra_random_op))
+            _handlers().update(dict.fromkeys(EXTRA_RANDOM_OPS, random_op))
         previous = router._trackers.get(tracker.rank)
         router._trackers[tracker.rank] = tracker
         _update_policy_handlers(router)

@@ -99,7 +99,7 @@ from rngcoord.client.devices import (
 from rngcoord.client.errors import InvalidRequest, RNGCoordError, StoreMismatchError
 from rngcoord.client.groups import GroupSpec, invariant_group, shared_group, stream_group
 from rngcoord.client.leases import INITIAL_DIGEST, LeaseManager, LeaseSchedule, StreamState
-from rngcoord.client.router import extra_random_op, unregister
+from rngcoord.client.router import random_op, unregister
 from rngcoord.v1.types import JoinResult
 
 logger = logging.getLogger(__name__)
@@ -240,9 +240,9 @@ def _init_helper_code() -> types.CodeType | None:
 _CALLERS: dict[types.CodeType | None, str] = {
     _dispatch_code(): "op_call",
     _init_helper_code(): "init_op",
-    # Wrapped by torch.compiler.disable; the frame that calls the tracker is the inner one.
-    getattr(extra_random_op, "__wrapped__", extra_random_op).__code__: "op_call",
-    getattr(invariant.invariant_op, "__wrapped__", invariant.invariant_op).__code__: "op_call",
+    # The router's handler of the random ops DTensor leaves alone; wrapped by
+    # torch.compiler.disable, and the frame that calls the tracker is the inner one.
+    getattr(random_op, "__wrapped__", random_op).__code__: "op_call",
 }
 _CALLERS.pop(None, None)
 
@@ -380,6 +380,9 @@ class RNGStateTracker:
         self._use_distribute_region = True
         self._streams: dict[str, _Stream] = {}
         self._plans: dict[DTensorSpec, _Plan] = {}
+        # A mesh's group, found once: at 10^5 ranks it is a few ms of tensor work, and a
+        # model has many specs (plans) on few meshes.
+        self._groups: dict[DeviceMesh, GroupSpec] = {}
         self._cpu_writer = CPUStateWriter() if handle is None else None
         self._philox = bytearray(16)
         self._philox_tensor = torch.frombuffer(self._philox, dtype=torch.uint8)
@@ -482,7 +485,7 @@ class RNGStateTracker:
         """DTensor custom op handlers this tracker needs while registered: under the
         sharding_invariant policy, every random op goes through its region."""
         if self.policy == "sharding_invariant":
-            return dict.fromkeys(invariant.INVARIANT_OPS, invariant.invariant_op)
+            return dict.fromkeys(invariant.INVARIANT_OPS, random_op)
         return {}
 
     # -- DTensor's hooks ----------------------------------------------------------------------
@@ -584,6 +587,12 @@ class RNGStateTracker:
         return self._stream(self._group_of(mesh).name)
 
     def _group_of(self, mesh: DeviceMesh) -> GroupSpec:
+        group = self._groups.get(mesh)
+        if group is None:
+            group = self._groups[mesh] = self._find_group(mesh)
+        return group
+
+    def _find_group(self, mesh: DeviceMesh) -> GroupSpec:
         if self.policy == "sharding_invariant" and self.root is not None:
             return invariant_group(self.root, self.rank, self.split_dims)
         return stream_group(mesh, self.rank, self.root, self.split_dims)
@@ -841,7 +850,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         """The lease manager of every group this rank has joined, by group name."""
         return types.MappingProxyType(self._managers)
 
-    def _group_of(self, mesh: DeviceMesh) -> GroupSpec:
+    def _find_group(self, mesh: DeviceMesh) -> GroupSpec:
         if self._shared is not None:
             if mesh.get_coordinate() is not None and not set(mesh.mesh.flatten().tolist()) <= set(
                 self.device_mesh.mesh.flatten().tolist()
@@ -851,7 +860,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
                     "install() with the job's root mesh"
                 )
             return self._shared
-        return super()._group_of(mesh)
+        return super()._find_group(mesh)
 
     def _stream_for(self, mesh: DeviceMesh) -> _Stream:
         group = self._group_of(mesh)
@@ -945,7 +954,6 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
             )
         for manager in self._managers.values():
             manager.restore(0, INITIAL_DIGEST)
-        self._plans.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """The position of every group: ``{"format", "job", "job_seed", "store_id",

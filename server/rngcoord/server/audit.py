@@ -308,6 +308,7 @@ def fetch_page(
     kinds: Sequence[str] = (),
     since_us: int = 0,
     until_us: int = 0,
+    newest: bool = False,
 ) -> list[AuditRecord]:
     """Up to `limit` records with id > `after_id` that pass the filters, oldest first.
 
@@ -320,6 +321,8 @@ def fetch_page(
         kinds: only these kinds; empty for every kind. Default ().
         since_us: only records with ts_us >= since_us; 0 for no lower bound. Default 0.
         until_us: only records with ts_us < until_us; 0 for no upper bound. Default 0.
+        newest: the newest `limit` of them (a bounded tail) instead of the oldest. Default
+            False.
     """
     where = ["id > ?"]
     params: list[object] = [after_id]
@@ -339,9 +342,11 @@ def fetch_page(
     params.append(limit)
     rows = tx.fetchall(
         "SELECT id, ts_us, job, grp, kind, actor, detail, prev_hash, hash FROM audit "
-        f"WHERE {' AND '.join(where)} ORDER BY id LIMIT ?",
+        f"WHERE {' AND '.join(where)} ORDER BY id {'DESC' if newest else 'ASC'} LIMIT ?",
         params,
     )
+    if newest:
+        rows = rows[::-1]
     return [
         AuditRecord(
             id=int(row[0]),

@@ -47,12 +47,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from rngcoord.server.addresses import join_host_port
-from rngcoord.server.audit import Chain
+from rngcoord.server.audit import Chain, fetch_page
 from rngcoord.server.auth import Identity, TokenTable
 from rngcoord.server.logs import event, get_logger
 from rngcoord.server.queries import audit_head
 from rngcoord.server.store import Store, Tx
-from rngcoord.server.views import GroupView, audit_tail, group_views
+from rngcoord.server.views import GroupView, group_views
 from rngcoord.v1.types import AuditRecord
 
 __all__ = ["COOKIE", "Source", "StatusServer", "StatusThread", "StoreSource"]
@@ -253,8 +253,12 @@ class StatusServer:
 
     async def _audit(self, who: Identity | None, after_id: int, limit: int) -> list[AuditRecord]:
         if who is None or who.allows_job(""):
-            return await self._read(lambda tx: audit_tail(tx, after_id=after_id, limit=limit))
-        window = await self._read(lambda tx: audit_tail(tx, after_id=after_id, limit=limit * 10))
+            return await self._read(
+                lambda tx: fetch_page(tx, after_id=after_id, limit=limit, newest=True)
+            )
+        window = await self._read(
+            lambda tx: fetch_page(tx, after_id=after_id, limit=limit * 10, newest=True)
+        )
         return [r for r in window if r.job and who.allows_job(r.job)][-limit:]
 
     def _head(self) -> dict[str, Any]:

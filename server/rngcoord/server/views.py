@@ -16,7 +16,6 @@ from typing import Any
 
 from rngcoord.server.store import Tx, from_db
 from rngcoord.v1.rules import MAX_OFFSET
-from rngcoord.v1.types import AuditRecord
 
 __all__ = [
     "EpochView",
@@ -25,7 +24,6 @@ __all__ = [
     "JobReport",
     "LeasePoint",
     "MemberView",
-    "audit_tail",
     "group_views",
     "job_names",
     "job_report",
@@ -215,36 +213,6 @@ def group_views(tx: Tx, *, member_limit: int = 64) -> list[GroupView]:
 def job_names(tx: Tx) -> list[str]:
     """Every job's name, in order."""
     return [str(job) for (job,) in tx.fetchall("SELECT job FROM jobs ORDER BY job")]
-
-
-def audit_tail(tx: Tx, *, after_id: int = 0, limit: int = 50) -> list[AuditRecord]:
-    """The newest `limit` audit records with id > `after_id`, oldest first (bounded: when
-    more than `limit` are newer, the older of them are skipped).
-
-    Args:
-        tx: an open transaction.
-        after_id: only records after this id. Default 0.
-        limit: most records returned. Default 50.
-    """
-    rows = tx.fetchall(
-        "SELECT id, ts_us, job, grp, kind, actor, detail, prev_hash, hash FROM audit "
-        "WHERE id > ? ORDER BY id DESC LIMIT ?",
-        (after_id, limit),
-    )
-    return [
-        AuditRecord(
-            id=int(row[0]),
-            ts_us=int(row[1]),
-            job=row[2],
-            group=row[3],
-            kind=row[4],
-            actor=row[5],
-            detail=json.loads(row[6]),
-            prev_hash=row[7],
-            hash=row[8],
-        )
-        for row in reversed(rows)
-    ]
 
 
 # ------------------------------------------------------------------------------ report
