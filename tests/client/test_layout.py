@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from rngcoord.client.groups import stream_group
+from rngcoord.client.groups import invariant_group, stream_group
 from rngcoord.client.tracker import shard_offsets
 
 MESHES = [(1,), (2,), (4,), (3,), (2, 2), (4, 2), (2, 3), (2, 2, 2)]
@@ -213,3 +213,25 @@ def test_values_never_repeat_and_copies_agree(coordinator: Any, tmp_path: Path) 
     stage0 = next(r for r in results if r["stage"] == 0)["stage_values"]
     stage1 = next(r for r in results if r["stage"] == 1)["stage_values"]
     assert not bool(torch.isin(stage0, stage1).any())
+
+
+def test_groups_of_a_100k_rank_mesh() -> None:
+    """Sub-mesh and invariant groups at 10^5 ranks (a 125 x 100 x 8 dp x pp x tp root), seen
+    from one rank: the same rules as on small meshes (the tracker finds them once per mesh)."""
+    shape, names, rank = (125, 100, 8), ("dp", "pp", "tp"), 54321  # dp 67, pp 90, tp 1
+    root = mesh_of(shape, rank, names)
+    tp = stream_group(slice_of(shape, names, ("tp",), rank), rank, root)
+    # Copies along dp share the tp slice's stream; the stage (pp 90) keeps its own.
+    assert (tp.world_size, tp.rank) == (1000, 67 * 8 + 1)
+    assert tp.name.startswith("tp:8[sha:")
+    dp_tp = stream_group(slice_of(shape, names, ("dp", "tp"), rank), rank, root)
+    assert (dp_tp.world_size, dp_tp.rank) == (1000, 67 * 8 + 1)
+    assert dp_tp.name != tp.name
+    whole = stream_group(root, rank, root)
+    assert (whole.name, whole.rank, whole.world_size) == (
+        "dp:125,pp:100,tp:8[0-99999]",
+        rank,
+        10**5,
+    )
+    inv = invariant_group(root, rank)
+    assert (inv.name, inv.rank, inv.world_size) == ("invariant[pp:90]", 67 * 8 + 1, 1000)
