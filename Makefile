@@ -6,15 +6,58 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-torch-$(TORCH_VERSION)
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast bench lint proto clean
+# The client suites the CI matrix runs on the other torch versions, each in a venv of its own
+# (.venv-torch2.14.1, ...): everything that touches the DTensor internals rngcoord hooks.
+# The probe itself; the shard arithmetic (_calc_shard_info); the exact Philox states set
+# (_PhiloxState); the tracker on a real mesh in processes and threads; PyTorch's own random-op
+# suite with torch.compile; the sharding-invariant policy; init_mesh's device choice; and
+# examples/train_tp.py under torchrun end to end.
+TORCH_SUITE ?= tests/client/test_compat.py tests/client/test_layout.py \
+	tests/client/test_philox_states.py tests/client/test_dtensor.py \
+	tests/client/test_random_parity.py tests/client/test_invariant.py \
+	tests/client/test_fullgraph.py tests/client/test_torchtitan.py \
+	tests/client/test_init_mesh.py tests/e2e/test_elastic.py
 
+# pipefail: pip's output goes through a filter (PIP_QUIET) and pip's failure must still fail.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+# Drops pip's lines that say nothing about progress: what is already there, and the warning
+# this machine's pip config gives for each package its local file:// indexes lack.
+PIP_QUIET := sed -u -e '/^Requirement already satisfied/d' -e "/^WARNING: Location 'file:.* is ignored/d"
+
+# Where torch's wheels are kept between runs (see the venv rule).
+WHEELHOUSE ?= $(HOME)/.cache/rngcoord/wheels
+
+.PHONY: venv demo test test-fast test-torch bench lint proto clean
+
+# The machine's global pip config may cap torch (a constraint file under /etc/xdg/pip); our own
+# constraint file, named in PIP_CONSTRAINT, replaces it and pins this venv's torch exactly, so
+# installing the package's extras can never move torch either. torch's wheels (with its CUDA
+# dependencies, ~5 GB for a CUDA build) are kept in WHEELHOUSE between runs and venvs: pip's
+# own HTTP cache kept nothing on this machine (~/.cache/pip stayed empty after a 5 GB
+# install), and CI's fresh clone starts without venvs. torch goes in --no-compile:
+# byte-compiling its thousands of modules up front costs minutes on 2 cores, and Python
+# compiles the ones it imports. Every venv ignores itself (as Python 3.13's venv does), so
+# .venv-torch* needs no entry in .gitignore, and ruff, which follows .gitignore, skips it.
 $(STAMP): pyproject.toml
+	@echo "==> [1/4] creating $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
+	@printf '*\n' > $(VENV)/.gitignore
+	@printf 'torch==%s\n' "$(TORCH_VERSION)" > $(VENV)/constraints.txt
+	@echo "==> [2/4] upgrading pip"
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "torch==$(TORCH_VERSION)"
-	$(BIN)/pip install -q -e ".[server,client,dev]"
+	@echo "==> [3/4] installing torch $(TORCH_VERSION) (a CPU build takes ~30 s, a CUDA build minutes); wheels kept in $(WHEELHOUSE)"
+	PIP_CONSTRAINT=$(VENV)/constraints.txt $(BIN)/pip download --dest $(WHEELHOUSE) \
+		"torch==$(TORCH_VERSION)" 2>&1 | $(PIP_QUIET)
+	PIP_CONSTRAINT=$(VENV)/constraints.txt $(BIN)/pip install --no-compile --no-index \
+		--find-links $(WHEELHOUSE) "torch==$(TORCH_VERSION)" 2>&1 | $(PIP_QUIET)
+	@echo "==> [4/4] installing rngcoord with its server, client and dev extras"
+	PIP_CONSTRAINT=$(VENV)/constraints.txt $(BIN)/pip install -e ".[server,client,dev]" 2>&1 | $(PIP_QUIET)
 	rm -f $(VENV)/.installed-torch-*
 	touch $@
+	@echo "==> $(VENV) is ready (torch $(TORCH_VERSION))"
+
+venv: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/rngcoord demo
@@ -22,10 +65,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The fast tier: everything but the tests marked slow or e2e, on two processes (pytest-xdist);
-# under a minute on 2 cores.
+# The fast tier: everything but the tests marked slow or e2e, on SQLite (the PostgreSQL cases
+# of the same tests run in `make test`), on two processes (pytest-xdist; idle workers steal
+# queued tests, so one long test at the end does not hold the other back); about a minute.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not e2e" -n 2 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow and not e2e" -k "not postgresql" -n 2 --dist worksteal $(PYTEST_ARGS)
+
+# TORCH_SUITE on another torch: `make test-torch TORCH_VERSION=2.15.0`.
+test-torch:
+	$(MAKE) test VENV=.venv-torch$(TORCH_VERSION) PYTEST_ARGS="$(TORCH_SUITE) $(PYTEST_ARGS)"
 
 bench: $(STAMP)
 	$(BIN)/python bench/coordinator.py --quick
@@ -41,4 +89,4 @@ proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
 
 clean:
-	rm -rf $(VENV) .build .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-torch* .build .pytest_cache .mypy_cache .ruff_cache

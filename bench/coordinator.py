@@ -34,6 +34,7 @@ import argparse
 import array
 import asyncio
 import contextlib
+import hashlib
 import json
 import multiprocessing
 import os
@@ -63,6 +64,12 @@ LEASE_SIZE = 1 << 20
 HIT_KEYS = 8
 FINGERPRINT = bytes(range(16))
 MODES = ("durable", "hits")
+
+
+def _member_secret(member_id: str) -> bytes:
+    """A member's credential (JoinGroupRequest.member_secret); a fixed function of the member
+    id is enough for this tool, whose members are its own."""
+    return hashlib.sha256(b"rngcoord-tool:" + member_id.encode()).digest()
 
 
 @dataclass
@@ -166,7 +173,13 @@ def _client_thread(
     try:
         epoch = stub.JoinGroup(
             pb.JoinGroupRequest(
-                job="bench", group=group, rank=0, world_size=1, member_id=member, timeout_ms=60_000
+                job="bench",
+                group=group,
+                rank=0,
+                world_size=1,
+                member_id=member,
+                member_secret=_member_secret(member),
+                timeout_ms=60_000,
             ),
             timeout=120,
         ).epoch
@@ -180,6 +193,7 @@ def _client_thread(
                 fingerprint=FINGERPRINT,
                 rank=0,
                 member_id=member,
+                member_secret=_member_secret(member),
             )
             for seq in range(HIT_KEYS)
         ]
@@ -345,6 +359,9 @@ class NoopCoordinator(pb_grpc.CoordinatorServicer):
     Restore = pb_grpc.CoordinatorServicer.Restore
     ListAudit = pb_grpc.CoordinatorServicer.ListAudit
     Attest = pb_grpc.CoordinatorServicer.Attest
+    RecordResize = pb_grpc.CoordinatorServicer.RecordResize
+    Session = pb_grpc.CoordinatorServicer.Session
+    JoinGroups = pb_grpc.CoordinatorServicer.JoinGroups
 
     async def JoinGroup(
         self, request: pb.JoinGroupRequest, context: object
@@ -371,7 +388,7 @@ def serve_noop(listen: str, ready_file: str) -> int:
         pb_grpc.add_CoordinatorServicer_to_server(NoopCoordinator(), server)
         port = server.add_insecure_port(listen)
         await server.start()
-        Path(ready_file).write_text(f"127.0.0.1:{port}")
+        await asyncio.to_thread(Path(ready_file).write_text, f"127.0.0.1:{port}")
         await server.wait_for_termination()
 
     asyncio.run(main())

@@ -10,7 +10,9 @@ What runs:
    real gRPC connections): N ranks in one group plus N/8 groups of 8, every rank joining both,
    as the ranks of a dp x tp job join their root mesh and their tp sub-mesh. `join_s_N` is the
    time from the first JoinGroup to the last rank holding its epochs, for N = 10,000 and
-   100,000 (`--quick`: 10,000 only).
+   100,000 (`--quick`: 10,000 only), with two unary JoinGroup calls per rank;
+   `join_s_N_one_message` the same storm with one JoinGroups message per rank (both groups) on
+   one Session stream per connection, as `install()`'s client sends it.
 3. torch's TCPStore store-based barrier (the one torchrun's c10d rendezvous uses; libuv
    backend) for the same N over the same number of connections: a TCPStore server in a
    subprocess, each connection adding one per rank it carries to a counter, the rank that
@@ -20,12 +22,27 @@ What runs:
    loops for `--seconds`, with throughput and latency percentiles; then the same ranks asking
    once a second each (an open loop), whose latency (`p99_ms`) is the service time rather than
    the queue that 1,000 closed-loop callers build (latency = callers / throughput). The same
-   hits load against a no-op servicer in one process measures the transport's ceiling.
+   hits as messages on one Session stream per connection (`msgs_per_s_session`, beside the
+   unary `hits_per_s`), and the same hits load as unary calls against a no-op servicer in one
+   process (`calls_per_s_unary_noop`): the unary transport's ceiling.
 5. Leases sized to the work: a model-shaped op trace drives the real LeaseManager against the
    server: 96 layers, each one dropout of 8 x 64 x 4096 x 4096 elements and two of
-   8 x 4096 x 12288, with a little compute per op. `reserves_per_rank_per_step` counts the
-   Reserve RPCs per step after a warm-up of 10 steps; `stalls_after_warmup` the ops that
-   waited for a lease.
+   8 x 4096 x 12288, with a little compute per op, for 300 steps at a simulated step a second
+   (the manager's clock; attestations are time-bounded, docs/design.md §6.1).
+   `rpcs_per_rank_per_step` is every message a rank sends per step after a warm-up of 10
+   steps: `reserves_per_rank_per_step` + `attests_per_rank_per_step` (measured) +
+   `heartbeats_per_rank_per_step` (rank 0 of a tp group of 8 reads its epoch every 15 s:
+   computed from that period). `stalls_after_warmup` counts the ops that waited for a lease.
+   `coordinator_cpu_s_per_1k_rank_steps` prices those messages at the server CPU (all its
+   processes, from /proc) that a session hit and a grant cost under the loads of 4
+   (`server_cpu_ms_per_session_hit`, `server_cpu_ms_per_grant`).
+6. `--workers` scaling: the reserve loads of 4 against `--workers 1` and `--workers 2`, each on
+   a fresh store, side by side (`workers_scaling_2_vs_1`, for hits; the grants' ratio too),
+   with the share of a core the load generator used.
+7. Outages: `outage_stall_ms`, the longest op wait for a lease while the trace's coordinator
+   is SIGKILLed for 30 s and restarted (aim: 0); `reconnect_s_10k`, the time for 10,000
+   simulated ranks (groups of 8) to be served again after a SIGKILL and a restart 2 s later,
+   counted from the restart, every rank retrying with full-jitter backoff meanwhile.
 
 The load generator runs on the same cores as the server. Progress goes to stderr; stdout gets
 a table, and as its last line one JSON object with every figure.
@@ -38,6 +55,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -54,8 +72,10 @@ from rngcoord.server.addresses import redact_url
 from rngcoord.server.loadgen import (
     Rank,
     join_storm,
+    join_storm_grouped,
     open_channels,
     prepare,
+    reconnect_storm,
     reserve_load,
 )
 
@@ -65,6 +85,28 @@ def log(message: str) -> None:
 
 
 # ------------------------------------------------------------------------ the coordinator
+
+
+#: The process id of each running `coordinator()`, by address (for `server_cpu_s`).
+_SERVERS: dict[str, int] = {}
+
+
+def server_cpu_s(address: str) -> float:
+    """CPU seconds (user + system) of the coordinator at `address` and its worker processes
+    so far, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, pending = 0.0, [_SERVERS[address]]
+    while pending:
+        pid = pending.pop()
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            continue  # exited meanwhile
+        fields = stat.rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        pending += [int(c) for c in children]
+    return total
 
 
 @contextmanager
@@ -103,7 +145,9 @@ def coordinator(db_url: str, workers: int, workdir: Path) -> Iterator[str]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"rngcoord serve did not start:\n{log_path.read_text()}")
             time.sleep(0.05)
-        yield ready.read_text().strip()
+        address = ready.read_text().strip()
+        _SERVERS[address] = proc.pid
+        yield address
     finally:
         proc.terminate()
         try:
@@ -137,12 +181,20 @@ def storm_ranks(n: int) -> list[Rank]:
     return ranks
 
 
-async def measure_join(address: str, n: int, channels: int) -> float:
+async def measure_join(address: str, n: int, channels: int, *, one_message: bool) -> float:
+    """Seconds for the storm of `storm_ranks(n)` to form every group: each rank joining its
+    two groups in two unary JoinGroup calls, or with `one_message` in one JoinGroups message
+    on a Session stream."""
     opened = open_channels(address, channels)
     job = f"join-{n}-{uuid.uuid4().hex[:6]}"
+    ranks = storm_ranks(n)
     try:
         # A generous join timeout: the storm is measured, not cut short.
-        outcome = await join_storm(opened, job, storm_ranks(n), timeout_s=1500)
+        if one_message:
+            plans = [(ranks[r], ranks[n + r]) for r in range(n)]
+            outcome = await join_storm_grouped(opened, job, plans, timeout_s=1500)
+        else:
+            outcome = await join_storm(opened, job, ranks, timeout_s=1500)
     finally:
         for channel in opened:
             await channel.close(None)
@@ -221,7 +273,14 @@ async def measure_reserves(
     try:
         await prepare(opened, job, population)
         hits = await reserve_load(opened, job, population, grants=False, seconds=seconds)
-        grants = await reserve_load(opened, job, population, grants=True, seconds=seconds)
+        # The same hits as messages on one Session stream per channel, as install() sends them.
+        meter = (lambda: server_cpu_s(address)) if address in _SERVERS else None
+        streamed = await reserve_load(
+            opened, job, population, grants=False, seconds=seconds, session=True, meter=meter
+        )
+        grants = await reserve_load(
+            opened, job, population, grants=True, seconds=seconds, meter=meter
+        )
         # Open loop: every rank asks once a second (a training step's worth of ops), so the
         # latency is the service time, not the queue a closed loop of 1,000 callers builds.
         paced = await reserve_load(
@@ -230,19 +289,54 @@ async def measure_reserves(
     finally:
         for channel in opened:
             await channel.close(None)
-    for name, outcome in (("hits", hits), ("grants", grants), ("paced", paced)):
+    for name, outcome in (
+        ("hits", hits),
+        ("session hits", streamed),
+        ("grants", grants),
+        ("paced", paced),
+    ):
         if outcome.errors:
             raise RuntimeError(f"{name}: errors {outcome.errors}")
     return {
         "hits_per_s": round(hits.per_s),
         "hits_p50_ms": round(hits.percentile(0.5), 2),
         "hits_p99_ms": round(hits.percentile(0.99), 2),
+        "msgs_per_s_session": round(streamed.per_s),
+        "session_p50_ms": round(streamed.percentile(0.5), 2),
+        "session_p99_ms": round(streamed.percentile(0.99), 2),
+        "ratio_session_to_unary_hits": round(streamed.per_s / max(hits.per_s, 1e-9), 2),
+        # The server's CPU per answer (all its processes), over the measured window.
+        "server_cpu_ms_per_session_hit": round(1000 * streamed.metered / max(streamed.calls, 1), 4),
+        "server_cpu_ms_per_grant": round(1000 * grants.metered / max(grants.calls, 1), 4),
         "grants_per_s": round(grants.per_s),
         "grants_p50_ms": round(grants.percentile(0.5), 2),
         "grants_p99_ms": round(grants.percentile(0.99), 2),
         "p99_ms": round(paced.percentile(0.99), 2),
         "p50_ms": round(paced.percentile(0.5), 2),
     }
+
+
+def workers_scaling(ranks: int, channels: int, seconds: float) -> dict[str, Any]:
+    """Hits and grants per second with `--workers 1` and `--workers 2`, each on a fresh
+    SQLite store, under the same load, side by side; with the load generator's share of a
+    core, since it runs on the same cores."""
+    out: dict[str, Any] = {}
+    for workers in (1, 2):
+        workdir = Path(tempfile.mkdtemp(prefix=f"rngcoord-workers{workers}-"))
+        try:
+            with coordinator(f"sqlite:///{workdir / 'w.db'}", workers, workdir) as address:
+                wall, cpu = time.monotonic(), time.process_time()
+                got = asyncio.run(measure_reserves(address, ranks, channels, seconds))
+                share = (time.process_time() - cpu) / (time.monotonic() - wall)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        out[f"hits_per_s_{workers}w"] = got["hits_per_s"]
+        out[f"grants_per_s_{workers}w"] = got["grants_per_s"]
+        out[f"loadgen_core_share_{workers}w"] = round(share, 2)
+        log(f"  --workers {workers}: {got['hits_per_s']} hits/s, {got['grants_per_s']} grants/s")
+    out["workers_scaling_2_vs_1"] = round(out["hits_per_s_2w"] / out["hits_per_s_1w"], 2)
+    out["workers_scaling_grants_2_vs_1"] = round(out["grants_per_s_2w"] / out["grants_per_s_1w"], 2)
+    return out
 
 
 _NOOP_SERVER = """
@@ -294,8 +388,11 @@ def noop_ceiling(ranks: int, channels: int, seconds: float) -> float:
 
 
 def model_trace_reserves(address: str, steps: int, warmup: int) -> dict[str, Any]:
-    """Reserve RPCs per step of a model-shaped trace through the real LeaseManager."""
+    """The RPCs per step of a model-shaped trace through the real LeaseManager, at a
+    simulated step a second (the manager's clock moves 1/288 s per op; the ops themselves
+    run as fast as they can)."""
     from rngcoord.client import CoordinatorClient, LeaseManager
+    from rngcoord.client.leases import HEARTBEAT_S
 
     layer = [
         (b"dropout(8, 64, 4096, 4096)", 8 * 64 * 4096 * 4096),
@@ -306,24 +403,172 @@ def model_trace_reserves(address: str, steps: int, warmup: int) -> dict[str, Any
     job = f"model-{uuid.uuid4().hex[:6]}"
     with CoordinatorClient(address) as client:
         joined = client.join_group(job, "tp", rank=0, world_size=1, member_id="m0")
-        manager = LeaseManager(client, job, "tp", rank=0, member_id="m0", joined=joined)
-        warm = stalls = 0
+        now = [0.0]
+        manager = LeaseManager(
+            client,
+            job,
+            "tp",
+            rank=0,
+            member_id="m0",
+            joined=joined,
+            heartbeat_s=0,  # counted below, from its period
+            clock=lambda: now[0],
+        )
+        warm = stalls = attests = 0
         for i in range(steps):
             if i == warmup:
                 warm, stalls = manager.stats.reserves, manager.stats.stalls
+                attests = manager.stats.attestations
             for key, size in step:
                 manager.advance(size, key)
+                now[0] += 1.0 / len(step)
                 # A little compute per op (a real dropout of these sizes takes milliseconds).
                 time.sleep(0.00002)
         measured = steps - warmup
+        reserves = (manager.stats.reserves - warm) / measured
+        attestations = (manager.stats.attestations - attests) / measured
+        # Rank 0 of each group reads its epoch every heartbeat_s: per rank of a tp group of
+        # 8 at a step a second (the root group's share, one read per 15 s for 10^5 ranks, is
+        # negligible).
+        heartbeats = 1.0 / (HEARTBEAT_S * 8)
         result = {
-            "reserves_per_rank_per_step": round((manager.stats.reserves - warm) / measured, 4),
+            "reserves_per_rank_per_step": round(reserves, 4),
+            "attests_per_rank_per_step": round(attestations, 4),
+            "heartbeats_per_rank_per_step": round(heartbeats, 4),
+            "rpcs_per_rank_per_step": round(reserves + attestations + heartbeats, 4),
             "stalls_after_warmup": manager.stats.stalls - stalls,
             "reserves_in_warmup": warm,
             "fixed_2p32_leases_per_step": round(sum(s for _, s in step) / 2**32, 1),
         }
         manager.close()
     return result
+
+
+def coordinator_cpu_per_1k_rank_steps(results: dict[str, Any]) -> float:
+    """The coordinator's CPU seconds per 1,000 rank-steps of the model-shaped trace: each
+    message the trace's rank sends per step, at the server CPU an answer cost under load. In
+    a tp group of 8, one rank's Reserve or first attestation of a count writes (a grant's
+    cost) and the other 7 read it back or compare in memory (a session hit's cost); a
+    heartbeat is a read."""
+    hit = float(results["server_cpu_ms_per_session_hit"]) / 1000
+    grant = float(results["server_cpu_ms_per_grant"]) / 1000
+    shared = grant / 8 + 7 * hit / 8
+    per_step = (
+        float(results["reserves_per_rank_per_step"]) * shared
+        + float(results["attests_per_rank_per_step"]) * shared
+        + float(results["heartbeats_per_rank_per_step"]) * hit
+    )
+    return round(1000 * per_step, 4)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve_on(port: int, db: str, workdir: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """A one-worker `rngcoord serve` on 127.0.0.1:`port` (started again on the same store
+    and port after a SIGKILL); returns once it serves."""
+    ready = workdir / f"ready-{time.monotonic_ns()}"
+    cmd = [
+        sys.executable, "-m", "rngcoord.server.cli", "serve", "--listen", f"127.0.0.1:{port}",
+        "--db", db, "--metrics", "off", "--workers", "1", "--ready-file", str(ready),
+        "--log-level", "WARNING", "--peer-rate", "0", *extra,
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"rngcoord serve did not start on port {port}")
+        time.sleep(0.05)
+    return proc
+
+
+def reconnect_s(workdir: Path, ranks: int = 10_000, down_s: float = 2.0) -> dict[str, Any]:
+    """How long `ranks` simulated ranks (groups of 8, over 32 connections) take to be served
+    again after their coordinator is SIGKILLed: every rank asks for a lease while it is down,
+    retrying with capped exponential backoff and full jitter as the client does, and it comes
+    back on the same store and port after `down_s`. The figure runs from the restart (the new
+    process serving) to the last rank served."""
+    port = _free_port()
+    db = f"sqlite:///{workdir / 'reconnect.db'}"
+    proc = _serve_on(port, db, workdir, "--init")
+    ranks_ = [Rank(f"tp{r // 8}", r % 8, 8) for r in range(ranks)]
+
+    async def storm() -> tuple[float, int]:
+        nonlocal proc
+        opened = open_channels(f"127.0.0.1:{port}", 32)
+        try:
+            await prepare(opened, "reconnect", ranks_)
+            proc.kill()
+            proc.wait()
+            asked = asyncio.ensure_future(reconnect_storm(opened, "reconnect", ranks_, seq=3))
+            await asyncio.sleep(down_s)
+            proc = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: _serve_on(port, db, workdir)
+            )
+            back = time.perf_counter()
+            outcome = await asked
+            served_s = time.perf_counter() - back
+        finally:
+            for channel in opened:
+                await channel.close(None)
+        if outcome.errors or outcome.served != ranks:
+            raise RuntimeError(f"{ranks - outcome.served} ranks not served: {outcome.errors[:3]}")
+        return served_s, outcome.retries
+
+    try:
+        served_s, retries = asyncio.run(storm())
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return {f"reconnect_s_{ranks // 1000}k": round(served_s, 2), "reconnect_retries": retries}
+
+
+def outage_stall_ms(workdir: Path, outage_s: float = 30.0, warmup_s: float = 10.0) -> float:
+    """The longest wait of an op for a lease while the coordinator is down for `outage_s`:
+    the model-shaped trace of `model_trace_reserves` runs for `warmup_s`, then its own
+    coordinator (SQLite, one worker) is SIGKILLed and restarted on the same store and port
+    after `outage_s`, and the trace runs on for 5 s more. Aim: 0."""
+    from rngcoord.client import CoordinatorClient, LeaseManager
+
+    port = _free_port()
+    db = f"sqlite:///{workdir / 'outage.db'}"
+
+    def serve(*extra: str) -> subprocess.Popen[bytes]:
+        return _serve_on(port, db, workdir, *extra)
+
+    layer = [
+        (b"dropout(8, 64, 4096, 4096)", 8 * 64 * 4096 * 4096),
+        (b"dropout(8, 4096, 12288)", 8 * 4096 * 12288),
+        (b"dropout(8, 4096, 12288)", 8 * 4096 * 12288),
+    ]
+    proc = serve("--init")
+    job = f"outage-{uuid.uuid4().hex[:6]}"
+    try:
+        with CoordinatorClient(f"127.0.0.1:{port}", outage_s=600.0) as client:
+            joined = client.join_group(job, "tp", rank=0, world_size=1, member_id="m0")
+            manager = LeaseManager(client, job, "tp", rank=0, member_id="m0", joined=joined)
+            phases = [(warmup_s, "kill"), (outage_s, "restart"), (5.0, "end")]
+            for seconds, then in phases:
+                until = time.monotonic() + seconds
+                while time.monotonic() < until:
+                    for key, size in layer:
+                        manager.advance(size, key)
+                        time.sleep(0.00002)  # a little compute per op, as above
+                if then == "kill":
+                    proc.kill()
+                    proc.wait()
+                    manager.stats.longest_stall_s = 0.0  # count the outage's waits only
+                elif then == "restart":
+                    proc = serve()
+            stall_s = manager.stats.longest_stall_s
+            manager.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return round(stall_s * 1000, 1)
 
 
 # ------------------------------------------------------------------------------ main
@@ -350,26 +595,41 @@ def main(argv: list[str] | None = None) -> int:
                 for n in sizes:
                     log(f"join storm: {n} ranks in one group + {n // 8} groups of 8 ...")
                     results[f"join_s_{n // 1000}k"] = round(
-                        asyncio.run(measure_join(address, n, args.channels)), 2
+                        asyncio.run(measure_join(address, n, args.channels, one_message=False)), 2
                     )
                     log(f"  {results[f'join_s_{n // 1000}k']} s")
+                    log("the same storm, one JoinGroups message per rank on Session streams ...")
+                    results[f"join_s_{n // 1000}k_one_message"] = round(
+                        asyncio.run(measure_join(address, n, args.channels, one_message=True)), 2
+                    )
+                    log(f"  {results[f'join_s_{n // 1000}k_one_message']} s")
                 log(f"reserve loads at {args.ranks} ranks, {args.seconds:g} s each ...")
                 results.update(
                     asyncio.run(measure_reserves(address, args.ranks, args.channels, args.seconds))
                 )
                 log("model-shaped trace through the LeaseManager ...")
-                results.update(model_trace_reserves(address, steps=40, warmup=10))
+                results.update(model_trace_reserves(address, steps=300, warmup=10))
+        results["coordinator_cpu_s_per_1k_rank_steps"] = coordinator_cpu_per_1k_rank_steps(results)
+        log("the model-shaped trace through a 30 s coordinator outage ...")
+        results["outage_stall_ms"] = outage_stall_ms(workdir)
+        log("10,000 ranks served again after a SIGKILL and a restart ...")
+        results.update(reconnect_s(workdir))
+        log("--workers 1 and 2 under the same reserve loads ...")
+        results.update(workers_scaling(args.ranks, args.channels, args.seconds))
         log("the transport's ceiling: the hits load against a no-op servicer ...")
-        results["noop_grpc_calls_per_s"] = round(
+        results["calls_per_s_unary_noop"] = round(
             noop_ceiling(args.ranks, args.channels, args.seconds)
         )
         results["hits_ratio_to_noop_grpc"] = round(
-            results["hits_per_s"] / results["noop_grpc_calls_per_s"], 2
+            results["hits_per_s"] / results["calls_per_s_unary_noop"], 2
         )
         log(f"TCPStore barrier: 10000 ranks over {args.channels} connections ...")
         results["tcpstore_barrier_s_10k"] = round(tcpstore_barrier(10_000, args.channels), 3)
         results["ratio_join_to_tcpstore_10k"] = round(
             results["join_s_10k"] / results["tcpstore_barrier_s_10k"], 1
+        )
+        results["ratio_join_one_message_to_tcpstore_10k"] = round(
+            results["join_s_10k_one_message"] / results["tcpstore_barrier_s_10k"], 1
         )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -378,23 +638,49 @@ def main(argv: list[str] | None = None) -> int:
         ("join, 10k ranks (+1,250 groups of 8)", f"{results['join_s_10k']} s"),
         ("TCPStore barrier, 10k ranks", f"{results['tcpstore_barrier_s_10k']} s"),
         ("ratio join / TCPStore", f"{results['ratio_join_to_tcpstore_10k']}"),
-    ]
+        ("join, 10k ranks, one JoinGroups message each on Session streams",
+         f"{results['join_s_10k_one_message']} s (ratio to TCPStore "
+         f"{results['ratio_join_one_message_to_tcpstore_10k']})"),
+    ]  # fmt: skip
     if "join_s_100k" in results:
         rows.insert(1, ("join, 100k ranks (+12,500 groups of 8)", f"{results['join_s_100k']} s"))
+        rows.insert(2, ("join, 100k ranks, one JoinGroups message each",
+                        f"{results['join_s_100k_one_message']} s"))  # fmt: skip
     rows += [
         ("hits/s at 1,000 ranks (p50 / p99 ms)",
          f"{results['hits_per_s']} ({results['hits_p50_ms']} / {results['hits_p99_ms']})"),
+        ("the same hits on Session streams, msgs/s (p50 / p99 ms)",
+         f"{results['msgs_per_s_session']} ({results['session_p50_ms']} / "
+         f"{results['session_p99_ms']}; {results['ratio_session_to_unary_hits']}x unary)"),
         ("grants/s at 1,000 ranks (p50 / p99 ms)",
          f"{results['grants_per_s']} ({results['grants_p50_ms']} / {results['grants_p99_ms']})"),
         ("hit latency, 1,000 ranks asking 1/s (p50 / p99 ms)",
          f"{results['p50_ms']} / {results['p99_ms']}"),
         ("no-op gRPC servicer, same hits load (one process)",
-         f"{results['noop_grpc_calls_per_s']} calls/s (hits reach "
+         f"{results['calls_per_s_unary_noop']} calls/s (hits reach "
          f"{results['hits_ratio_to_noop_grpc']} of it)"),
         ("Reserve RPCs per rank per step, after warm-up",
          f"{results['reserves_per_rank_per_step']} (fixed 2^32 leases: "
          f"{results['fixed_2p32_leases_per_step']})"),
+        ("every RPC per rank per step (reserve + attest + heartbeat)",
+         f"{results['rpcs_per_rank_per_step']} ({results['reserves_per_rank_per_step']} + "
+         f"{results['attests_per_rank_per_step']} + "
+         f"{results['heartbeats_per_rank_per_step']})"),
         ("ops that waited for a lease, after warm-up", f"{results['stalls_after_warmup']}"),
+        ("coordinator CPU per 1,000 rank-steps of the trace",
+         f"{results['coordinator_cpu_s_per_1k_rank_steps']} s (a session hit "
+         f"{results['server_cpu_ms_per_session_hit']} ms, a grant "
+         f"{results['server_cpu_ms_per_grant']} ms of server CPU)"),
+        ("hits/s with --workers 1 / 2 (ratio)",
+         f"{results['hits_per_s_1w']} / {results['hits_per_s_2w']} "
+         f"({results['workers_scaling_2_vs_1']}; load generator: "
+         f"{results['loadgen_core_share_1w']} / {results['loadgen_core_share_2w']} core)"),
+        ("grants/s with --workers 1 / 2 (ratio)",
+         f"{results['grants_per_s_1w']} / {results['grants_per_s_2w']} "
+         f"({results['workers_scaling_grants_2_vs_1']})"),
+        ("longest op wait in a 30 s coordinator outage", f"{results['outage_stall_ms']} ms"),
+        ("10k ranks served again after a restart",
+         f"{results['reconnect_s_10k']} s ({results['reconnect_retries']} retries)"),
     ]  # fmt: skip
     width = max(len(name) for name, _ in rows)
     for name, value in rows:

@@ -15,7 +15,8 @@ coordinator, so no rank depends on the others having made the same calls since s
 
 The script runs on CPU (gloo) and on CUDA (nccl), whichever the host has, and takes its
 coordinator settings from RNGCOORD_ADDR, RNGCOORD_JOB, RNGCOORD_TOKEN and RNGCOORD_SEED unless
-flags override them.
+flags override them. A coordinator outage mid-run (a restart, a failover) costs it a wait, not
+the run, for up to RNGCOORD_OUTAGE_S seconds (10 minutes by default).
 
 Elastic runs: under ``torchrun --nnodes=1:N --rdzv-backend=c10d --max-restarts=1`` a crashed
 rank (``--fail-at-step``) makes torchelastic restart every worker. The new workers join a new
@@ -31,6 +32,7 @@ import argparse
 import json
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from rngcoord.client import LeaseManager, OffsetBasedRNGTracker, init_mesh, install
+from rngcoord.client.tracker import resize_message
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 
@@ -118,7 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--record-masks",
         type=Path,
         metavar="DIR",
-        help="write each step's dropout masks, and each rank's group membership, under DIR",
+        help="write each step's dropout masks, each rank's group membership and its per-op "
+        "trace (trace.jsonl, for rngcoord replay --trace) under DIR",
     )
     testing.add_argument(
         "--fail-at-step",
@@ -127,6 +131,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="crash at the start of step N (first incarnation only), to exercise restarts",
     )
     testing.add_argument("--fail-rank", type=int, default=0, help="the rank that crashes")
+    testing.add_argument(
+        "--step-seconds",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="sleep S seconds per step, standing in for a real model's compute (so that a "
+        "test can stop the coordinator mid-run)",
+    )
     args = parser.parse_args(argv)
     if args.resume and args.checkpoint_dir is None:
         parser.error("--resume needs --checkpoint-dir")
@@ -274,18 +286,25 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             print(f"[train_tp] {message}", flush=True)
 
+    record_dir = None
+    if args.record_masks is not None:
+        record_dir = args.record_masks / f"incarnation-{incarnation}" / f"rank-{rank}"
+        record_dir.mkdir(parents=True, exist_ok=True)
     mesh = init_mesh((world,), ("tp",), device_type=args.device)
     tracker = install(
-        mesh, target=args.addr, job=args.job, seed=args.seed, token=args.token, policy=args.policy
+        mesh,
+        target=args.addr,
+        job=args.job,
+        seed=args.seed,
+        token=args.token,
+        policy=args.policy,
+        # One JSON line per random op (group, cursor, shape, dtype, op), for rngcoord replay.
+        trace=None if record_dir is None else record_dir / "trace.jsonl",
     )
     model = build_model(args, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     x, target = synthetic_batch(args, mesh)
     recorder = MaskRecorder(model)
-    record_dir = None
-    if args.record_masks is not None:
-        record_dir = args.record_masks / f"incarnation-{incarnation}" / f"rank-{rank}"
-        record_dir.mkdir(parents=True, exist_ok=True)
 
     first_step = 1
     if args.resume:
@@ -296,12 +315,23 @@ def main(argv: list[str] | None = None) -> None:
             done, path = found
             load_checkpoint(path, model, optimizer, tracker)
             first_step = done + 1
-            log(f"resuming after step {done} from {path}; the random stream rewinds with it")
+            if tracker.unrestorable:
+                # The offsets policy's streams belong to their mesh: a resized job cannot
+                # rewind them (the tracker warns on every rank; say it once here).
+                for saved, current in tracker.unrestorable.items():
+                    log(
+                        f"resuming after step {done} from {path}: model and optimizer "
+                        f"restored, but {resize_message(saved, current)}"
+                    )
+            else:
+                log(f"resuming after step {done} from {path}; the random stream rewinds with it")
 
     for step in range(first_step, args.steps + 1):
         if step == args.fail_at_step and rank == args.fail_rank and incarnation == 0:
             print(f"[train_tp] rank {rank}: simulated crash at step {step}", flush=True)
             os._exit(17)
+        if args.step_seconds:
+            time.sleep(args.step_seconds)
         optimizer.zero_grad()
         loss = ((model(x) - target) ** 2).mean()
         loss.backward()

@@ -7,7 +7,8 @@ file on: an auditor signs in through the page's login form), and plays a small j
 as its ranks would: group "tp" of 4 ranks granting leases for a few seconds; group "dp" of 2
 ranks whose ranks then disagree (the divergence banner); group "elastic" of 2 ranks whose
 epoch 1 grants, then whose re-formed epoch 2 restores seq 0 by both members' votes and grants
-on. It saves OUT_DIR/status-page.png while the page is signed in, stops the server, writes
+on; and job "bert-finetune", whose 2 ranks grant and then leave (a finished job). It saves
+OUT_DIR/status-page.png while the page is signed in, stops the server, writes
 `rngcoord report` for the job and saves OUT_DIR/report.png.
 
 Needs the server and dev extras (selenium, matplotlib) and Chromium with chromedriver at
@@ -16,6 +17,7 @@ Needs the server and dev extras (selenium, matplotlib) and Chromium with chromed
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import signal
@@ -39,11 +41,20 @@ JOB = "llama-tp"
 WIDTH = 1280
 
 
+def _member_secret(member_id: str) -> bytes:
+    """A member's credential (JoinGroupRequest.member_secret); a fixed function of the member
+    id is enough for this tool, whose members are its own."""
+    return hashlib.sha256(b"rngcoord-tool:" + member_id.encode()).digest()
+
+
 class Ranks:
     """The ranks of one group, talking to the coordinator as clients do."""
 
-    def __init__(self, stub: coordinator_pb2_grpc.CoordinatorStub, token: str, group: str) -> None:
+    def __init__(
+        self, stub: coordinator_pb2_grpc.CoordinatorStub, token: str, group: str, job: str = JOB
+    ) -> None:
         self.stub = stub
+        self.job = job
         self.metadata = (("authorization", f"Bearer {token}"),)
         self.group = group
         self.epoch = 0
@@ -57,11 +68,12 @@ class Ranks:
         def join(rank: int) -> pb.JoinGroupResponse:
             response: pb.JoinGroupResponse = self.stub.JoinGroup(
                 pb.JoinGroupRequest(
-                    job=JOB,
+                    job=self.job,
                     group=self.group,
                     rank=rank,
                     world_size=world_size,
                     member_id=f"r{rank}-{suffix}",
+                    member_secret=_member_secret(f"r{rank}-{suffix}"),
                     timeout_ms=30_000,
                     include_members=True,
                 ),
@@ -79,7 +91,7 @@ class Ranks:
     def reserve(self, rank: int, size: int = 4096) -> None:
         self.stub.Reserve(
             pb.ReserveRequest(
-                job=JOB,
+                job=self.job,
                 group=self.group,
                 epoch=self.epoch,
                 seq=self.seq,
@@ -87,6 +99,7 @@ class Ranks:
                 fingerprint=b"ops",
                 rank=rank,
                 member_id=self.members[rank],
+                member_secret=_member_secret(self.members[rank]),
             ),
             timeout=10,
             metadata=self.metadata,
@@ -100,19 +113,32 @@ class Ranks:
             self.seq += 1
             time.sleep(pause_s)
 
+    def leave(self) -> None:
+        """Every rank leaves, as at the end of a run."""
+        for rank, member_id in enumerate(self.members):
+            self.stub.LeaveGroup(
+                pb.LeaveGroupRequest(
+                    job=self.job, group=self.group, epoch=self.epoch, rank=rank,
+                    member_id=member_id, member_secret=_member_secret(member_id),
+                ),
+                timeout=10,
+                metadata=self.metadata,
+            )  # fmt: skip
+
     def restore(self, cursor: int) -> None:
         """Every member votes to restore the next seq to `cursor`."""
 
         def vote(rank: int) -> None:
             self.stub.Restore(
                 pb.RestoreRequest(
-                    job=JOB,
+                    job=self.job,
                     group=self.group,
                     epoch=self.epoch,
                     seq=self.seq,
                     cursor=cursor,
                     rank=rank,
                     member_id=self.members[rank],
+                    member_secret=_member_secret(self.members[rank]),
                     timeout_ms=10_000,
                 ),
                 timeout=20,
@@ -127,6 +153,10 @@ def play(address: str, token: str) -> threading.Thread:
     """Play the job; return the thread that keeps group "tp" granting for a while."""
     channel = grpc.insecure_channel(address)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    finished = Ranks(stub, token, "dp", job="bert-finetune")
+    finished.join(2)
+    finished.grant(6, pause_s=0.02)
+    finished.leave()
     elastic = Ranks(stub, token, "elastic")
     elastic.join(2)
     elastic.grant(12, pause_s=0.05)
@@ -163,15 +193,15 @@ def chromium(height: int) -> Any:
 def screenshot_page(http: str, token: str, out: Path) -> None:
     from selenium.webdriver.common.by import By
 
-    driver = chromium(1500)
+    driver = chromium(2350)  # tall enough for the audit tail
     try:
         driver.get(f"http://{http}/")
         driver.find_element(By.ID, "token").send_keys(token)
         driver.find_element(By.ID, "sign-in").click()
         deadline = time.monotonic() + 30
-        while not driver.execute_script("return document.querySelectorAll('.group').length === 3"):
+        while not driver.execute_script("return document.querySelectorAll('.group').length === 4"):
             if time.monotonic() > deadline:
-                raise RuntimeError("the page never showed the 3 groups")
+                raise RuntimeError("the page never showed the 4 groups")
             time.sleep(0.2)
         time.sleep(2.5)  # a few live refreshes: the lease count of "tp" moves
         driver.save_screenshot(str(out))
@@ -197,7 +227,7 @@ def main() -> int:
         db = f"sqlite:///{work / 'rngcoord.db'}"
         member, auditor = secrets.token_hex(16), secrets.token_hex(16)
         tokens = work / "tokens"
-        tokens.write_text(f"trainer member llama-* {member}\nalice auditor * {auditor}\n")
+        tokens.write_text(f"trainer member * {member}\nalice auditor * {auditor}\n")
         ready = work / "ready"
         log = (work / "server.log").open("wb")
         server = subprocess.Popen(

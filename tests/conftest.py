@@ -39,7 +39,13 @@ from pathlib import Path
 
 import pytest
 
-from harness import BACKENDS, CoordinatorFactory, CoordinatorProcess, PostgresDatabases
+from harness import (
+    BACKENDS,
+    CoordinatorFactory,
+    CoordinatorProcess,
+    PostgresDatabases,
+    token_leaks,
+)
 
 
 @pytest.fixture(scope="session")
@@ -125,3 +131,22 @@ def coordinator_factory(tmp_path: Path) -> Iterator[CoordinatorFactory]:
 def coordinator(coordinator_factory: CoordinatorFactory) -> CoordinatorProcess:
     """A coordinator server on a fresh SQLite store."""
     return coordinator_factory()
+
+
+# ---------------------------------------------------------------------- no token in any log
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if any file the servers and tools wrote under the tests' temporary
+    directories (their logs, anchor files, reports) holds the text of a test token."""
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is None:
+        return
+    try:
+        root = factory.getbasetemp()
+    except (OSError, ValueError):
+        return
+    leaks = token_leaks(root)
+    if leaks:
+        print("\ntoken text found in files the suite wrote:\n" + "\n".join(leaks[:20]))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

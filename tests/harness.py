@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import heapq
 import importlib.util
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -36,8 +38,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rngcoord.server import audit
 from rngcoord.server.coordinator import Coordinator
+from rngcoord.server.membership import Caller
 from rngcoord.server.sqlite import SqliteStore
-from rngcoord.server.store import Tx
+from rngcoord.server.store import Tx, WriteProblem
 from rngcoord.v1 import coordinator_pb2, coordinator_pb2_grpc
 from rngcoord.v1.types import AuditRecord, JoinResult, Lease
 
@@ -292,6 +295,7 @@ def join_all(
             rank=rank,
             world_size=world_size,
             member_id=f"m{rank}-{suffix}",
+            member_secret=secret_for(f"m{rank}-{suffix}"),
             job_seed=job_seed,
             timeout_ms=timeout_ms,
             include_members=True,
@@ -483,6 +487,9 @@ class CountingStore:
     def data_version(self) -> int:
         return self.inner.data_version()
 
+    def write_problem(self, stall_s: float) -> WriteProblem | None:
+        return self.inner.write_problem(stall_s)
+
     def close(self) -> None:
         self.inner.close()
 
@@ -524,6 +531,33 @@ class InProcess:
         self.run(self.coord.close())
 
 
+def secret_for(member_id: str) -> bytes:
+    """The member secret the tests' members join with: one per member id, known to the test
+    (a client draws its own at random: rngcoord.client.connection.member_secret)."""
+    return hashlib.sha256(b"test-secret:" + member_id.encode()).digest()
+
+
+def caller(
+    member: str,
+    *,
+    rank: int = 0,
+    epoch: int = 1,
+    group: str = "g",
+    job: str = TEST_JOB,
+    secret: bytes | None = None,
+) -> Caller:
+    """A `Caller` as `member`, with its test secret unless `secret` says otherwise."""
+    return Caller(
+        job,
+        group,
+        epoch,
+        rank,
+        member,
+        secret_for(member) if secret is None else secret,
+        actor=f"rank {rank}",
+    )
+
+
 def records(h: InProcess, kind: str) -> list[AuditRecord]:
     return h.run(gather_list(h.coord.list_audit(kinds=[kind])))
 
@@ -547,6 +581,7 @@ def form(
                     rank=rank,
                     world_size=len(members),
                     member_id=m,
+                    member_secret=secret_for(m),
                     job_seed=job_seed,
                     actor=f"rank {rank}",
                 )
@@ -572,15 +607,7 @@ def reserve(
 ) -> Lease:
     return h.run(
         h.coord.reserve(
-            TEST_JOB,
-            group,
-            epoch=epoch,
-            seq=seq,
-            size=size,
-            fingerprint=fp,
-            rank=rank,
-            member_id=member,
-            actor=f"rank {rank}",
+            caller(member, rank=rank, epoch=epoch, group=group), seq=seq, size=size, fingerprint=fp
         )
     )
 
@@ -602,7 +629,56 @@ def join(
         rank=rank,
         world_size=world_size,
         member_id=member,
+        member_secret=secret_for(member),
         job_seed=job_seed,
         timeout_s=timeout_s,
         actor=f"rank {rank}",
     )
+
+
+def rehash_from(raw: sqlite3.Connection, first: int) -> None:
+    """Recompute every hash of an SQLite store's chain from record `first` on with plain
+    SHA-256 and fix audit_head, as a forger without the key would."""
+    chain = audit.Chain("ignored")  # unkeyed: the forger has no key
+    row = raw.execute("SELECT hash FROM audit WHERE id = ?", (first - 1,)).fetchone()
+    prev = audit.GENESIS_HASH if row is None else row[0]
+    rows = raw.execute(
+        "SELECT id, ts_us, job, grp, kind, actor, detail FROM audit WHERE id >= ? ORDER BY id",
+        (first,),
+    ).fetchall()
+    for rid, ts, job, grp, kind, actor, detail in rows:
+        digest = chain.digest(rid, ts, job, grp, kind, actor, detail, prev)
+        raw.execute("UPDATE audit SET prev_hash = ?, hash = ? WHERE id = ?", (prev, digest, rid))
+        prev = digest
+    raw.execute("UPDATE audit_head SET last_id = ?, last_hash = ?", (rows[-1][0], prev))
+
+
+# Shorter "tokens" are words that a log may hold for other reasons.
+_TOKEN_MIN_CHARS = 8
+# Source files, and the bytecode compiled from them: tests copy or install the checkout, whose
+# code may hold a test token's words (the token "member-secret" is also the member credential
+# hash's domain string, in membership.py and so in the image test's venv's membership.pyc).
+_SOURCE_SUFFIXES = frozenset({".py", ".pyc", ".pyi", ".proto", ".sql", ".md", ".toml"})
+
+
+def token_leaks(root: Path) -> list[str]:
+    """Files under `root` that hold a token of a token file there (a file named `tokens`):
+    "PATH: TOKEN[:4]..." for each. A token is the last field of a line, where it stands in
+    well-formed lines and in broken ones."""
+    tokens: set[str] = set()
+    for path in root.rglob("tokens"):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            fields = line.split()
+            if fields and not fields[0].startswith("#") and len(fields[-1]) >= _TOKEN_MIN_CHARS:
+                tokens.add(fields[-1])
+    leaks: list[str] = []
+    if not tokens:
+        return leaks
+    for path in root.rglob("*"):
+        if path.name == "tokens" or not path.is_file() or path.stat().st_size > 64 << 20:
+            continue
+        if path.suffix in _SOURCE_SUFFIXES:  # a copy of the checkout (the shadowing tests)
+            continue
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        leaks += [f"{path}: {token[:4]}..." for token in sorted(tokens) if token in text]
+    return leaks

@@ -318,13 +318,18 @@ def test_cpu_profile_runs_the_same_job_without_gpus(compose: Compose) -> None:
 
 def test_trainer_defaults_reach_the_sqlite_coordinator_without_a_token(compose: Compose) -> None:
     services = compose.services(GPU_FILES)
-    for name, job in (("trainer", "tp-gpu"), ("trainer-cpu", "tp-cpu")):
+    for name, job, launch in (
+        ("trainer", "tp-gpu", "trainer-gpu@{host}"),
+        ("trainer-cpu", "tp-cpu", "trainer-cpu@{host}"),
+    ):
         env = services[name]["environment"]
         assert env["RNGCOORD_ADDR"] == "127.0.0.1:29520"
         assert env["RNGCOORD_JOB"] == job
         # Keys without a value: the host's variable if set there, otherwise left unset.
         assert env["RNGCOORD_TOKEN"] is None
         assert env["RNGCOORD_SEED"] is None
+        # One launch across container restarts, one per host (launch_id fills in {host}).
+        assert env["RNGCOORD_LAUNCH"] == launch
 
 
 def test_trainer_settings_and_arguments_come_from_the_environment(

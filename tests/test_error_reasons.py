@@ -9,13 +9,14 @@ reason and metadata.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import grpc
 import pytest
 
-from harness import CoordinatorProcess, join_all
+from harness import CoordinatorProcess, join_all, secret_for
 from rngcoord.client import (
     AuthenticationError,
     CoordinatorClient,
@@ -31,6 +32,7 @@ from rngcoord.client import (
     RNGCoordError,
     StaleEpochError,
 )
+from rngcoord.client.connection import adopt_member_secret
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 from rngcoord.v1.rules import DOMAIN, MAX_OFFSET
@@ -63,7 +65,7 @@ def stub(server: CoordinatorProcess) -> pb_grpc.CoordinatorStub:
 
 @pytest.fixture(scope="module")
 def client(server: CoordinatorProcess) -> Iterator[CoordinatorClient]:
-    with CoordinatorClient(server.address, token=TOKEN, retries=0) as c:
+    with CoordinatorClient(server.address, token=TOKEN, outage_s=0) as c:
         yield c
 
 
@@ -84,8 +86,12 @@ def _client(call: Callable[[], object], cls: type[RNGCoordError]) -> RNGCoordErr
 
 
 def _formed(stub: pb_grpc.CoordinatorStub, group: str, world_size: int = 1) -> list[str]:
-    """Form an epoch of `group`; return its member ids by rank."""
-    return list(join_all(stub, JOB, group, world_size, metadata=AUTH)[0].members)
+    """Form an epoch of `group`; return its member ids by rank (the client below may act as
+    them: it holds their test secrets)."""
+    members = list(join_all(stub, JOB, group, world_size, metadata=AUTH)[0].members)
+    for member in members:
+        adopt_member_secret(member, secret_for(member))
+    return members
 
 
 def _reserve(
@@ -100,6 +106,7 @@ def _reserve(
         fingerprint=fp,
         rank=0,
         member_id=member,
+        member_secret=secret_for(member),
     )
 
 
@@ -115,7 +122,7 @@ def test_invalid_field(stub: pb_grpc.CoordinatorStub, client: CoordinatorClient)
 def test_unknown_job_group_and_epoch(
     stub: pb_grpc.CoordinatorStub, client: CoordinatorClient, server: CoordinatorProcess
 ) -> None:
-    with CoordinatorClient(server.address, token=ADMIN, retries=0) as admin:
+    with CoordinatorClient(server.address, token=ADMIN, outage_s=0) as admin:
         error = _client(lambda: admin.get_group("no-such-job", "g"), NotFoundError)
     assert (error.reason, dict(error.metadata)) == ("UNKNOWN_JOB", {"job": "no-such-job"})
     _formed(stub, "known")
@@ -182,10 +189,20 @@ def test_divergence(stub: pb_grpc.CoordinatorStub, client: CoordinatorClient) ->
         fingerprint=b"rank1",
         rank=1,
         member_id=members[1],
+        member_secret=secret_for(members[1]),
     )
     code, reason, meta = _raw(lambda: stub.Reserve(request, metadata=AUTH))
     assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "DIVERGENCE")
-    assert meta == {"job": JOB, "group": "diverging", "epoch": "1", "seq": "0", "ranks": "0,1"}
+    assert meta == {
+        "job": JOB,
+        "group": "diverging",
+        "epoch": "1",
+        "seq": "0",
+        "ranks": "0,1",
+        "first": "0",
+        "divergent": "1",
+        "disagree": "0",
+    }
     # Every later Reserve of the epoch is refused with the same reason and metadata.
     error = _client(
         lambda: client.reserve(
@@ -200,7 +217,45 @@ def test_divergence(stub: pb_grpc.CoordinatorStub, client: CoordinatorClient) ->
         ),
         DivergenceError,
     )
-    assert (error.reason, dict(error.metadata)) == ("DIVERGENCE", meta)
+    assert (error.reason, dict(error.metadata)) == ("DIVERGENCE", {**meta, "disagree": "1"})
+
+
+def test_bad_credential(stub: pb_grpc.CoordinatorStub, client: CoordinatorClient) -> None:
+    # Member ids are no credentials: GetGroup lists them to any holder of the job's token.
+    members = list(join_all(stub, JOB, "impersonated", 2, metadata=AUTH)[0].members)
+    forged = b"f" * 32
+    request = pb.ReserveRequest(
+        job=JOB,
+        group="impersonated",
+        epoch=1,
+        seq=0,
+        size=64,
+        fingerprint=b"a",
+        rank=1,
+        member_id=members[1],
+        member_secret=forged,
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Reserve(request, metadata=AUTH)
+    code, reason, meta = _raw(lambda: stub.Reserve(request, metadata=AUTH))
+    assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, "BAD_CREDENTIAL")
+    assert meta == {"job": JOB, "group": "impersonated", "epoch": "1", "rank": "1"}
+    assert forged.decode() not in (caught.value.details() or "")
+    # This process never joined as that member: its client holds another secret for it.
+    error = _client(
+        lambda: client.reserve(
+            JOB,
+            "impersonated",
+            epoch=1,
+            seq=0,
+            size=64,
+            fingerprint=b"a",
+            rank=1,
+            member_id=members[1],
+        ),
+        PermissionDeniedError,
+    )
+    assert (error.reason, dict(error.metadata)) == ("BAD_CREDENTIAL", meta)
 
 
 def test_seed_conflict_and_world_size_mismatch(
@@ -219,10 +274,25 @@ def test_seed_conflict_and_world_size_mismatch(
     assert error.metadata == {"job": JOB, "seed": str(job_seed), "requested_seed": str(wrong)}
     waiting: grpc.Future = stub.JoinGroup.future(  # type: ignore[type-arg]
         pb.JoinGroupRequest(
-            job=JOB, group="sizes", rank=0, world_size=2, member_id="w0", timeout_ms=20_000
+            job=JOB,
+            group="sizes",
+            rank=0,
+            world_size=2,
+            member_id="w0",
+            member_secret=secret_for("w0"),
+            timeout_ms=20_000,
         ),
         metadata=AUTH,
     )
+    # Rank 0 must be waiting (its join committed, so the group exists) before rank 1 asks.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            stub.GetGroup(pb.GetGroupRequest(job=JOB, group="sizes"), metadata=AUTH, timeout=5)
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.NOT_FOUND and time.monotonic() < deadline
+            time.sleep(0.02)
     try:
         error = _client(
             lambda: client.join_group(
@@ -305,13 +375,13 @@ def test_join_timeout(client: CoordinatorClient) -> None:
 
 
 def test_bad_token(server: CoordinatorProcess, tmp_path: Path) -> None:
-    with CoordinatorClient(server.address, token="wrong", retries=0) as wrong:
+    with CoordinatorClient(server.address, token="wrong", outage_s=0) as wrong:
         error = _client(lambda: wrong.get_group(JOB, "known"), AuthenticationError)
     assert (error.reason, dict(error.metadata)) == ("BAD_TOKEN", {"job": JOB})
 
 
 def test_not_permitted(server: CoordinatorProcess) -> None:
-    with CoordinatorClient(server.address, token=AUDITOR, retries=0) as auditor:
+    with CoordinatorClient(server.address, token=AUDITOR, outage_s=0) as auditor:
         error = _client(
             lambda: auditor.join_group(JOB, "g", rank=0, world_size=1, member_id="x"),
             PermissionDeniedError,
@@ -359,6 +429,7 @@ def test_malformed_request(server: CoordinatorProcess) -> None:
 def test_every_reason_is_exercised() -> None:
     # The reasons a live server can be driven into here. Tests of their own: STORE_UNAVAILABLE
     # and STORE_LOST (tests/server/test_store_loss.py), RATE_LIMITED (test_gate.py),
+    # TOO_MANY_STREAMS (tests/server/test_hostile.py), JOB_IN_USE (tests/server/test_launches.py),
     # INTERNAL_ERROR (a server bug).
     tested = {
         "INVALID_FIELD",
@@ -378,12 +449,15 @@ def test_every_reason_is_exercised() -> None:
         "NOT_PERMITTED",
         "RESTORE_TIMEOUT",
         "MALFORMED_REQUEST",
+        "BAD_CREDENTIAL",
     }
     declared = set(pb.ErrorReason.keys()) - {"ERROR_REASON_UNSPECIFIED"}
     assert declared - tested == {
         "STORE_UNAVAILABLE",
         "STORE_LOST",
         "RATE_LIMITED",
+        "TOO_MANY_STREAMS",
+        "JOB_IN_USE",
         "INTERNAL_ERROR",
     }
     assert tested <= declared

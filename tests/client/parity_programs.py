@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from programs import Ctx
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._random import manual_seed
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 PROGRAMS: dict[str, Callable[[Ctx], dict[str, Any]]] = {}
@@ -254,13 +255,14 @@ def rng_tracker_init(env: Env) -> None:
     assert all(torch.equal(g, gathered[0]) for g in gathered)
 
 
-def manual_seed(env: Env) -> None:
+def manual_seed_scenario(env: Env) -> None:
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from rngcoord.client import InvalidRequest
-
+    # `manual_seed` was imported at the top of this module, before install(): it still
+    # takes rngcoord's meaning.
+    assert manual_seed is random.manual_seed
     mesh = DeviceMesh("cpu", torch.arange(env.world))
-    env.install(mesh)
+    tracker = env.install(mesh)
     seed = env.args["seed"]
 
     def draw() -> Any:
@@ -268,17 +270,20 @@ def manual_seed(env: Env) -> None:
 
     first = draw().full_tensor()
     with CommDebugMode() as comm_mode:  # type: ignore[no-untyped-call]
-        try:
-            random.manual_seed(seed + 1 + env.rank, mesh)
-            raise AssertionError("manual_seed accepted a seed other than the job's")
-        except InvalidRequest as e:
-            assert "install(seed=" in str(e) and "load_state_dict" in str(e), e
-        random.manual_seed(seed, mesh)
+        manual_seed(seed + 1, mesh)
+        assert tracker.seed_scope == seed + 1
+        other = draw()
+        manual_seed(seed + 1, mesh)
         again = draw()
+        manual_seed(seed, mesh)
+        assert tracker.seed_scope is None
+        root_again = draw()
     assert comm_mode.get_total_counts() == 0, "manual_seed ran collectives"
-    assert torch.equal(again.full_tensor(), first)
-    random.manual_seed(seed, mesh)
-    assert torch.equal(draw().full_tensor(), first)
+    # Another base draws other streams; the same base, and the root seed, start over.
+    assert not torch.equal(other.full_tensor(), first)
+    assert torch.equal(again.full_tensor(), other.full_tensor())
+    assert torch.equal(root_again.full_tensor(), first)
+    assert any(name.endswith(f"/seed:{seed + 1}") for name in tracker.leases), tracker.leases
 
 
 def manual_seed_submesh(env: Env) -> None:
@@ -287,33 +292,34 @@ def manual_seed_submesh(env: Env) -> None:
     env.install(DeviceMesh("cpu", torch.arange(env.world)))
     other = DeviceMesh("cpu", [(env.rank + 1) % env.world], _rank=env.rank)
     try:
-        random.manual_seed(env.rank, other)
+        manual_seed(env.rank, other)
         raise AssertionError("manual_seed accepted a mesh without the calling rank")
     except InvalidRequest as e:
         assert "manual_seed requires the current rank to be a part of the device mesh" in str(e)
 
 
 def pipeline_parallel_manual_seed(env: Env) -> None:
-    from rngcoord.client import InvalidRequest
-
     world_mesh = init_device_mesh("cpu", (env.world // 2, 2), mesh_dim_names=("pp", "spmd"))
-    env.install(world_mesh)
+    tracker = env.install(world_mesh)
     pp_rank = world_mesh["pp"].get_local_rank()
     spmd_mesh = world_mesh["spmd"]
-    try:
-        random.manual_seed(123 + pp_rank, spmd_mesh)
-        raise AssertionError("a per-stage seed was accepted")
-    except InvalidRequest:
-        pass
-    random.manual_seed(env.args["seed"], spmd_mesh)
-    weight = torch.distributed.tensor.ones(
-        2 * spmd_mesh.size(), 2, device_mesh=spmd_mesh, placements=[Shard(0)]
-    )
-    torch.nn.init.normal_(weight)
-    gathered = gather(weight.to_local())
+
+    def init() -> torch.Tensor:
+        manual_seed(123 + pp_rank, spmd_mesh)  # upstream's per-stage seeds
+        weight = torch.distributed.tensor.ones(
+            2 * spmd_mesh.size(), 2, device_mesh=spmd_mesh, placements=[Shard(0)]
+        )
+        torch.nn.init.normal_(weight)
+        return weight.to_local()
+
+    local = init()
+    # Every stage draws from base seed 123's streams; stages differ through the split dim.
+    assert tracker.seed_scope == 123
+    gathered = gather(local)
     for other in range(env.world):
         if other != env.rank:
-            assert not torch.equal(weight.to_local(), gathered[other]), other
+            assert not torch.equal(local, gathered[other]), other
+    assert torch.equal(init(), local), "the same per-stage seeds did not reproduce the values"
 
 
 def deterministic_dropout_1d(env: Env) -> None:
@@ -429,7 +435,7 @@ def _compile_case(
         return torch.distributed.tensor.ones((8, 8), device_mesh=mesh, placements=placements)
 
     def run(f: Callable[[Any], Any]) -> tuple[list[torch.Tensor], list[dict[str, int]]]:
-        random.manual_seed(seed, mesh)  # the stream's start, as upstream's torch.manual_seed(0)
+        manual_seed(seed, mesh)  # the stream's start, as upstream's torch.manual_seed(0)
         results, states = [], [cursors(tracker)]
         for _ in range(3):
             results.append(f(make()).to_local().clone())
@@ -440,25 +446,29 @@ def _compile_case(
 
     eager, eager_states = run(fn)
     backend = AotEagerAndRecordGraphs()
-    for compiled in (torch.compile(fn, backend=backend), torch.compile(fn, backend="inductor")):
+    torch._inductor.config.fallback_random = True  # as upstream
+    for compiled in (
+        torch.compile(fn, backend=backend, fullgraph=True),
+        torch.compile(fn, backend="inductor", fullgraph=True),
+    ):
         torch._dynamo.reset()
         results, states = run(compiled)
         for i, (a, b) in enumerate(zip(eager, results, strict=True)):
             assert torch.equal(a, b), f"compiled != eager at call {i}"
         # After each call (the group is joined by the first one, so not before it).
         assert states[1:] == eager_states[1:], (states, eager_states)
+    assert backend.fw_graphs, "aot_eager compiled no graph"
     for graph in backend.fw_graphs:
+        # The graph draws from the leases when it runs, in effect-token order; upstream's
+        # graph holds run_dtensor_rng_op (CUDA) or the op itself, reading the device
+        # generator.
         assert "run_dtensor_rng_op" not in graph.code
+        assert "torch.ops.rngcoord.draw.default" in graph.code, graph.code
+        assert "with_effects" in graph.code, graph.code
     if all(isinstance(p, Replicate) for p in placements):
         for result in eager:
             gathered = gather(result)
             assert all(torch.equal(g, gathered[0]) for g in gathered)
-    torch._dynamo.reset()
-    try:
-        torch.compile(fn, backend="aot_eager", fullgraph=True)(make())
-        raise AssertionError("fullgraph=True compiled a DTensor random op")
-    except torch._dynamo.exc.Unsupported as e:
-        assert "rngcoord" in str(e), e
     torch._dynamo.reset()
 
 
@@ -492,7 +502,7 @@ INIT_AND_OPS: dict[str, Scenario] = {
     "test_fsdp_tp_model_meta_init": fsdp_tp_model_meta_init,
     "test_dtensor_init_helper_tensor_meta_strides": dtensor_init_helper_tensor_meta_strides,
     "test_rng_tracker_init": rng_tracker_init,
-    "test_manual_seed": manual_seed,
+    "test_manual_seed": manual_seed_scenario,
     "test_manual_seed_submesh": manual_seed_submesh,
     "test_pipeline_parallel_manual_seed": pipeline_parallel_manual_seed,
     "test_deterministic_dropout_1d": deterministic_dropout_1d,
@@ -549,3 +559,9 @@ def _program(name: str, scenarios: dict[str, Scenario]) -> None:
 _program("parity_init_and_ops", INIT_AND_OPS)
 _program("parity_compile", COMPILE)
 _program("parity_3d", THREE_D)
+
+
+# The fullgraph and torchtitan programs run through the same launcher.
+from compile_programs import PROGRAMS as _COMPILE_PROGRAMS  # noqa: E402
+
+PROGRAMS.update(_COMPILE_PROGRAMS)

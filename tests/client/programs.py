@@ -109,11 +109,23 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def start_gloo(program: str, world: int, outdir: Path, **args: Any) -> Job:
-    """Start ``program`` on ``world`` gloo ranks, one subprocess each."""
+def start_gloo(
+    program: str,
+    world: int,
+    outdir: Path,
+    *,
+    run_id: str | None = None,
+    restart: int = 0,
+    **args: Any,
+) -> Job:
+    """Start ``program`` on ``world`` gloo ranks, one subprocess each. With ``run_id``, as
+    attempt ``restart`` of a torchelastic run (TORCHELASTIC_RUN_ID, _RESTART_COUNT): a later
+    attempt of the same run takes its job over at once (docs/design.md §7.1, launches)."""
     outdir.mkdir(parents=True, exist_ok=True)
     env = _child_env()
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+    if run_id is not None:
+        env.update(TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT=str(restart))
     procs, logs = [], []
     for rank in range(world):
         proc, log = _spawn(
@@ -361,13 +373,20 @@ def attested_divergence(ctx: Ctx) -> dict[str, Any]:
     from rngcoord.client import DivergenceError, init_mesh, install
 
     mesh = init_mesh((ctx.world,), ("dp",), "cpu")
-    tracker = install(mesh, ctx.args["addr"], job=ctx.args["job"], seed=3)
+    # attest_min_s=0: every 1,024 ops, however fast these ops run (a test draws thousands a
+    # second, so the default 30 s would stretch the stride far past 3,000 ops).
+    tracker = install(mesh, ctx.args["addr"], job=ctx.args["job"], seed=3, attest_min_s=0)
     out: dict[str, Any] = {"op": None}
     for i in range(3000):
         if i == 2500:
             dist.barrier()  # both ranks are past every attestation that could catch it
         if out["op"] is not None:
             continue
+        if 2048 <= i < 2500:
+            # The first attester learns at its attestation of 2,048 ops, one round trip later:
+            # at a millisecond an op that is well under the test's 64 ops of slack, however
+            # loaded the machine (unthrottled, these ops run thousands a second).
+            time.sleep(0.001)
         try:
             dt.rand((16,), device_mesh=mesh, placements=[R()])
             if ctx.rank == 1 and i == 100:
@@ -511,7 +530,7 @@ def restart(ctx: Ctx) -> dict[str, Any]:
     from rngcoord.client.router import register, unregister
 
     mesh = init_mesh((ctx.world,), ("dp",), "cpu")
-    tracker = install(mesh, ctx.args["addr"], job="restart", seed=5, lease_size=256, retries=8)
+    tracker = install(mesh, ctx.args["addr"], job="restart", seed=5, lease_size=256, outage_s=30.0)
 
     def ops(n: int) -> list[Any]:
         return [local(dt.rand((16,), device_mesh=mesh, placements=[R()])) for _ in range(n)]
@@ -564,7 +583,7 @@ def chaos(ctx: Ctx) -> dict[str, Any]:
 
     mesh = init_mesh((ctx.world,), ("dp",), "cpu")
     tracker = install(
-        mesh, ctx.args["addr"], job="chaos", seed=9, lease_size=64, deadline_s=5.0, retries=12
+        mesh, ctx.args["addr"], job="chaos", seed=9, lease_size=64, deadline_s=5.0, outage_s=60.0
     )
     values = []
     try:
@@ -606,13 +625,38 @@ def rewound(ctx: Ctx) -> dict[str, Any]:
     tracker.close()
     (ctx.outdir / "saved").touch()
     wait_file(ctx.outdir / "rewound")
-    again = install(mesh, ctx.args["addr"], job="rewound", seed=3, lease_size=64, retries=10)
+    again = install(mesh, ctx.args["addr"], job="rewound", seed=3, lease_size=64, outage_s=30.0)
     again.load_state_dict(state)
     try:
         ops(1)
     except StoreMismatchError as e:
         return {"state": state, "error": str(e)}
     return {"state": state, "error": None}
+
+
+@program
+def joined_ahead(ctx: Ctx) -> dict[str, Any]:
+    """The op program's first half on a 2x2 mesh in two jobs of one root seed: "<p>-lazy"
+    joins each group at its first op, "<p>-ahead" joins the mesh and its "tp" sub-mesh first,
+    in one JoinGroups message (tracker.join)."""
+    import torch.distributed as dist
+
+    from rngcoord.client import init_mesh, install
+
+    mesh = init_mesh((2, 2), ("dp", "tp"), "cpu")
+    out: dict[str, Any] = {}
+    for how in ("lazy", "ahead"):
+        tracker = install(
+            mesh, ctx.args["addr"], job=f"{ctx.args['prefix']}-{how}", seed=21, lease_size=64
+        )
+        if how == "ahead":
+            tracker.join(mesh, mesh["tp"], mesh["tp"])
+            out["joined_before_ops"] = sorted(tracker.leases)
+        out[how] = first_half(mesh)
+        out[f"{how}_groups"] = sorted(tracker.leases)
+        tracker.close()
+        dist.barrier()
+    return out
 
 
 @program

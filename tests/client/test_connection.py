@@ -1,5 +1,5 @@
 """CoordinatorClient: failover against real coordinators, the errors of refused requests,
-bearer tokens and TLS, bounded retries against closed ports, configuration from the
+bearer tokens and TLS, a time-bounded retry against closed ports, configuration from the
 environment."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -123,14 +124,23 @@ def test_joins_of_one_epoch_agree(coordinator: Any) -> None:
     assert len({(r.epoch, r.seed, r.start, r.members) for r in results.values()}) == 1
 
 
-def test_unreachable_coordinator_gives_bounded_retries_and_advice() -> None:
+def test_unreachable_coordinator_gives_a_bounded_wait_and_advice() -> None:
     targets = [_closed_port(), _closed_port()]
-    client = CoordinatorClient(targets, deadline_s=1.0, retries=3, backoff_s=0.01)
+    client = CoordinatorClient(targets, deadline_s=1.0, outage_s=1.5, backoff_s=0.01)
+    started = time.monotonic()
     with client, pytest.raises(CoordinatorUnavailable) as raised:
         client.get_group("job", "group")
+    # Tools fail within their budget when nothing listens.
+    assert 1.5 <= time.monotonic() - started < 5
     message = str(raised.value)
-    assert f"[{targets[0]}, {targets[1]}] after 4 attempts" in message
+    assert f"[{targets[0]}, {targets[1]}] since " in message and "never reached" in message
+    assert "outage budget of 1.5 s" in message
     assert "rngcoord serve" in message and "RNGCOORD_ADDR" in message
+    # A budget of 0 tries each target once.
+    started = time.monotonic()
+    with CoordinatorClient(targets, outage_s=0) as once, pytest.raises(CoordinatorUnavailable):
+        once.get_group("job", "group")
+    assert time.monotonic() - started < 1.5
 
 
 def test_client_configuration_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:

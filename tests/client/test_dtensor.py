@@ -171,3 +171,20 @@ def test_shared_stream(coordinator: Any, tmp_path: Path) -> None:
         assert _same(result["tp_rand"], results[tp]["tp_rand"])
     assert _disjoint(results[0]["tp_rand"], results[1]["tp_rand"])
     assert all(_same(r["dp_rand"], results[0]["dp_rand"]) for r in results)
+
+
+def test_groups_joined_ahead_in_one_message_draw_as_lazily_joined(
+    coordinator: Any, tmp_path: Path
+) -> None:
+    """tracker.join(mesh, mesh["tp"]) joins both groups in one JoinGroups message before any
+    op; the draws that follow are bitwise those of a job that joined each at its first op."""
+    results = run_threads("joined_ahead", 4, tmp_path, addr=coordinator.address, prefix="j")
+    for rank, result in enumerate(results):
+        # The mesh's group and the tp sub-mesh's: every group the lazy job joins by its end.
+        assert result["joined_before_ops"] == ["dp:2,tp:2[0-3]", "tp:2[0-3]"]
+        assert result["ahead_groups"] == result["lazy_groups"] == result["joined_before_ops"]
+        for name, value in result["lazy"].items():
+            assert _same(value, result["ahead"][name]), (rank, name)
+    with CoordinatorClient(coordinator.address) as client:
+        joins = client.list_audit(job="j-ahead", kinds=["epoch"])
+    assert sorted(r.group for r in joins) == ["dp:2,tp:2[0-3]", "tp:2[0-3]"]

@@ -33,5 +33,5 @@ def test_group_names_follow_the_coordinators_rule(names: list[str], ranks: list[
 def test_group_names_are_readable_and_distinct() -> None:
     assert groups.group_name(("dp", "tp"), (2, 2), [0, 1, 2, 3]) == "dp:2,tp:2[0-3]"
     assert groups.group_name(("dp", "tp"), (1, 4), [0, 1, 2, 3]) == "dp:1,tp:4[0-3]"
-    assert groups.group_name(("pp",), (3,), [4, 5, 9]) == "pp:3[4.5.9]"
+    assert groups.group_name(("pp",), (3,), [4, 5, 9]) == "pp:3[4-5.9]"
     assert groups.group_name(("x y",), (2,), [0, 1]).startswith("mesh[sha:")

@@ -7,6 +7,7 @@ no torch.distributed is needed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 import threading
@@ -92,28 +93,37 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 def expected_requests(
     schedule: LeaseSchedule, ops: list[tuple[bytes, int]] = OPS
-) -> dict[int, tuple[int, int, bytes]]:
-    """The documented request rule, simulated: seq -> (start, end, fingerprint)."""
+) -> tuple[dict[int, tuple[int, int, bytes]], int]:
+    """The documented rule, simulated: every fixed lease, seq -> (start, end, fingerprint),
+    and the last seq every rank must have sent (the current lease's prefetch). Which fixed
+    leases beyond that a rank sends depends on its timing; what each asks does not."""
+    fixed: dict[int, tuple[int, int, bytes]] = {}
 
-    def size(largest: int, cursor: int) -> int:
-        return schedule.size(largest_op=largest, consumed=cursor)
+    def fix(fingerprint: bytes, largest: int, stop: int) -> None:
+        start = fixed[len(fixed) - 1][1] if fixed else 0
+        size = schedule.size(largest_op=largest, consumed=max(stop, start))
+        fixed[len(fixed)] = (start, start + size, fingerprint)
 
-    first = size(0, 0)
-    requests = {0: (0, first, INITIAL_DIGEST[:FINGERPRINT_BYTES])}
-    digest, cursor, largest, next_start = INITIAL_DIGEST, 0, 0, first
+    def fix_through(seq: int, fingerprint: bytes, largest: int, stop: int) -> None:
+        while len(fixed) <= seq:
+            fix(fingerprint, largest, stop)
+
+    digest, cursor, largest = INITIAL_DIGEST, 0, 0
+    fix_through(schedule.lookahead, digest[:FINGERPRINT_BYTES], 0, 0)
+    current = sent = 0
     for key, n in ops:
         digest = hashlib.sha256(digest + key).digest()
         cursor += n
         largest = max(largest, n)
         fingerprint = digest[:FINGERPRINT_BYTES]
-        while next_start < cursor:
-            requests[len(requests)] = (next_start, next_start + size(largest, cursor), fingerprint)
-            next_start = requests[len(requests) - 1][1]
-        need = max(s for s, (start, _, _) in requests.items() if start <= cursor - 1)
-        if len(requests) <= need + 1:
-            requests[len(requests)] = (next_start, next_start + size(largest, cursor), fingerprint)
-            next_start = requests[len(requests) - 1][1]
-    return requests
+        while fixed[len(fixed) - 1][1] < cursor:
+            fix(fingerprint, largest, cursor)
+        need = max(s for s, (start, _, _) in fixed.items() if start <= cursor - 1)
+        if need > current:
+            current = need
+            fix_through(need + schedule.lookahead, fingerprint, largest, cursor)
+        sent = max(sent, need + 1)
+    return fixed, sent
 
 
 @pytest.fixture
@@ -153,24 +163,25 @@ def test_placement_and_requests_are_deterministic(client: CoordinatorClient, nam
     total = sum(size for _, size in OPS)
     assert all(m.cursor == total for m in ranks)
 
-    # Every rank asked for exactly the leases the rule names, with the same sizes and
-    # fingerprints: the coordinator granted each once, contiguous from 0.
-    expected = expected_requests(schedule)
+    # Every rank asked for leases the rule fixes, with the same sizes and fingerprints, at
+    # least up to the last one's prefetch: the coordinator granted each once, contiguous
+    # from 0 (a different request for a granted seq would have been a divergence).
+    fixed, sent = expected_requests(schedule)
 
     def settled(m: LeaseManager) -> Callable[[], bool]:
-        return lambda: m.stats.received == m.stats.reserves == len(expected)
+        return lambda: m.stats.received == m.stats.reserves > sent
 
     for manager in ranks:
         wait_until(settled(manager))
     grants = client.list_audit(job="leases", group=group, kinds=["grant"])
     details = sorted((g.detail for g in grants), key=lambda d: d["seq"])
-    assert [d["seq"] for d in details] == list(expected)
-    assert [(d["start"], d["end"]) for d in details] == [(s, e) for s, e, _ in expected.values()]
-    assert [bytes.fromhex(d["fingerprint"]) for d in details] == [
-        f for _, _, f in expected.values()
-    ]
+    expected = [fixed[seq] for seq in range(len(details))]
+    assert sent < len(details) <= len(fixed)
+    assert [d["seq"] for d in details] == list(range(len(details)))
+    assert [(d["start"], d["end"]) for d in details] == [(s, e) for s, e, _ in expected]
+    assert [bytes.fromhex(d["fingerprint"]) for d in details] == [f for _, _, f in expected]
     info = client.get_group("leases", group)
-    assert info.high_water == expected[len(expected) - 1][1]
+    assert info.high_water == expected[-1][1]
     for manager in ranks:
         manager.close()
 
@@ -207,14 +218,17 @@ def test_fenced_epoch_is_reported(client: CoordinatorClient) -> None:
 
 @pytest.mark.slow
 def test_unreachable_coordinator_then_back(coordinator: Any) -> None:
-    client = CoordinatorClient(coordinator.address, deadline_s=2.0, retries=4, backoff_s=0.1)
+    client = CoordinatorClient(coordinator.address, deadline_s=2.0, outage_s=2.0, backoff_s=0.1)
     (manager,) = managers(client, "down", "g", 64, world=1)
     manager.advance(32, b"a")  # lease 0 current, lease 1 prefetched
     wait_until(lambda: manager.stats.received == 2)
     coordinator.kill()
     manager.advance(96, b"b")  # up to the end of lease 1: no RPC needed
-    with pytest.raises(CoordinatorUnavailable, match="rngcoord serve"):
-        manager.advance(16, b"c")  # needs lease 2
+    # Lease 2 is needed: the op waits out the outage budget (2 s) for it, then gives up.
+    started = time.monotonic()
+    with pytest.raises(CoordinatorUnavailable, match="outage budget of 2 s"):
+        manager.advance(16, b"c")
+    assert 1.5 < time.monotonic() - started < 10
     assert manager.cursor == 128  # the refused op left the stream alone
     coordinator.restart()
     assert manager.advance(16, b"c") == 128
@@ -243,17 +257,21 @@ def _two_rank_ops(
     return raised
 
 
-def test_a_different_op_sequence_is_caught_within_one_lease(client: CoordinatorClient) -> None:
-    # Rank 1 runs one extra op at step 3. The schedule sizes the next lease from the op
-    # sequence, so the ranks ask for the same seq with different fingerprints (and sizes),
-    # and both learn of the divergence by the time their ops need the lease after next.
+def test_a_different_op_sequence_is_caught_within_the_lookahead(
+    client: CoordinatorClient,
+) -> None:
+    # Rank 1 runs one extra op at step 3. Leases are fixed (size and fingerprint) up to
+    # LOOKAHEAD ahead by the op that first touches a lease, so the leases fixed after the
+    # extra op carry different fingerprints (and sizes) on the two ranks. The second to ask
+    # learns of the divergence when its op needs one of those; the first at its next request
+    # or attestation (every 1,024 ops: design §6.1).
     schedule = LeaseSchedule(min_size=64, op_factor=2, growth=2, max_size=1 << 16)
     ranks = managers(client, "diverge", "g", None, schedule=schedule)
-    ops = [(b"rand(64,)", 64)] * 40
+    ops = [(b"rand(64,)", 64)] * 3000
     extra = [*ops[:3], (b"randn(8,)", 8), *ops[3:]]
     raised = _two_rank_ops(ranks, [ops, extra])
     assert all(isinstance(e, DivergenceError) for e in raised), raised
-    assert ranks[0].cursor < 40 * 64 or ranks[1].cursor < 40 * 64 + 8
+    assert ranks[0].cursor < 3000 * 64 or ranks[1].cursor < 3000 * 64 + 8
     for m in ranks:
         m.close(leave=False)
 
@@ -308,3 +326,80 @@ def test_work_sized_leases_bound_the_rpcs_per_training_step(client: CoordinatorC
             manager.advance(size, key)
     assert (manager.stats.reserves - warm) / 30 <= 0.1
     manager.close()
+
+
+def test_the_worked_example_of_the_module_docstring_holds(client: CoordinatorClient) -> None:
+    (manager,) = managers(client, "example", "g", None, world=1, schedule=LeaseSchedule())
+    manager.prefetch_s = 0.0  # send only what the rule must: needed leases and the prefetch
+    dropout = (b"dropout(8, 64, 4096, 4096)", 1 << 33)
+
+    def granted() -> list[tuple[int, int]]:
+        records = client.list_audit(job="example", kinds=["grant"])
+        details = sorted((r.detail for r in records), key=lambda d: d["seq"])
+        return [(d["start"], d["end"]) for d in details]
+
+    manager.advance(dropout[1], dropout[0])
+    wait_until(lambda: manager.stats.received == manager.stats.reserves == 7)
+    fifth = 153419776
+    assert granted() == [
+        (0, 1 << 16),
+        (1 << 16, 327680),
+        (327680, 2424832),
+        (2424832, 19202048),
+        (19202048, fifth),
+        (fifth, fifth + (1 << 37)),
+        (fifth + (1 << 37), fifth + (1 << 37) + (1 << 40)),
+    ]
+    for _ in range(15):  # ops 2..16 stay inside lease 5
+        manager.advance(dropout[1], dropout[0])
+    assert manager.stats.reserves == 7
+    manager.advance(dropout[1], dropout[0])  # op 17 makes lease 6 current and sends lease 7
+    wait_until(lambda: manager.stats.received == manager.stats.reserves == 8)
+    manager.close()
+
+
+def test_attestation_strides_follow_the_rate_and_still_meet(client: CoordinatorClient) -> None:
+    """Rank 0 draws one op a second (stride 1,024); rank 1 draws 100 a second, so 30 s of it
+    is 3,000 ops and its stride becomes 4,096 after its first attestation. Rank 1 runs an
+    extra op after op 1,500: the ranks share no attested count at 2,048 or 3,072 and meet at
+    4,096, the larger stride, where the divergence is recorded. Rank 1 sent 2 attestations
+    where stride 1,024 would have sent 4."""
+    joined = join(client, "strides", "g", 2)
+    now = [0.0, 0.0]
+    per_op_s = [1.0, 0.01]
+    group = [
+        LeaseManager(
+            client,
+            "strides",
+            "g",
+            rank=rank,
+            member_id=f"m{rank}",
+            joined=joined[rank],
+            schedule=LeaseSchedule(fixed=2**30),  # one lease: only attestations can tell
+            heartbeat_s=0,
+            attest_min_s=30.0,
+            clock=functools.partial(now.__getitem__, rank),
+        )
+        for rank in range(2)
+    ]
+    try:
+        for rank, manager in enumerate(group):
+            for op in range(4600):
+                now[rank] += per_op_s[rank]
+                manager.advance(64, b"rand(16,)")
+                if rank == 1 and op == 1500:
+                    manager.advance(64, b"randn(16,)")
+            if rank == 0:
+                time.sleep(1.0)  # rank 0's attestations are in before rank 1's
+        deadline = time.monotonic() + 10
+        while group[1]._fatal is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(DivergenceError, match="ops 4096"):
+            group[1].advance(64, b"rand(16,)")
+        assert group[1].stats.attestations == 2  # 1,024 and 4,096
+        assert group[0].stats.attestations == 4  # 1,024 ... 4,096
+        (record,) = client.list_audit(job="strides", kinds=["divergence"])
+        assert record.detail["ops"] == 4096
+    finally:
+        for manager in group:
+            manager.close(leave=False)

@@ -6,7 +6,9 @@ in tests/client/parity_programs.py that makes its assertions about user-visible 
 (replicas equal, shards different, determinism, manual_seed, meta init, the 3-D mesh,
 compiled == eager) on CPU: four thread-ranks of PyTorch's threaded process group for the init
 and op tests, two gloo processes for the compile tests, eight thread-ranks for the 3-D test.
-The scenarios are restated rather than copied. What differs from upstream, and why:
+The scenarios are restated rather than copied; they keep upstream's imports (``manual_seed``
+is imported from ``torch.distributed.tensor._random`` at the top, before any install()) and
+upstream's ``torch.compile(..., fullgraph=True)``. The deviations that remain, and why:
 
 - Every scenario installs rngcoord (a fresh job on a real coordinator) on its mesh.
   Upstream's GPU skips do not apply: rngcoord's CPU path has DTensor's offset semantics.
@@ -22,22 +24,23 @@ The scenarios are restated rather than copied. What differs from upstream, and w
   ``OffsetBasedRNGTracker``), every rank's group seed is equal, and replicas are equal
   although each rank seeded torch differently.
 - test_manual_seed: upstream sets a different seed on each rank and reads it back from the
-  device generator. Replaced by: any seed but the job's raises InvalidRequest naming
-  ``install(seed=...)`` and ``load_state_dict``; the job's seed restarts the stream, so the
-  same draw repeats; no collective runs (as upstream).
+  device generator. Under rngcoord a seed is a base whose streams every rank of a group must
+  share (ranks passing different bases would wait in different groups), so every rank
+  passes the same seeds: a base other than the job's draws other streams, the same base
+  again and the job's seed start their streams over (the draws repeat), no collective runs.
 - test_manual_seed_submesh: rngcoord's InvalidRequest (an RNGCoordError, not RuntimeError),
   with upstream's message.
-- test_pipeline_parallel_manual_seed: upstream seeds each stage with 123 + pp_rank. Replaced
-  by: per-stage seeds are refused; stages on the ``pp`` dim draw from separate streams (split
-  dims, rngcoord.client.groups), so every rank's shard differs, as upstream asserts.
+- test_pipeline_parallel_manual_seed: upstream's per-stage seeds ``123 + pp_rank`` as
+  upstream passes them; beyond upstream, every rank draws from base 123's streams, and the
+  same seeds reproduce the values.
 - test_deterministic_*: ``torch.manual_seed`` calls that made ranks agree are not needed;
   test_deterministic_rand_1d seeds ranks differently before the Replicate draw, to show it.
-- test_compile_*: upstream compiles with ``fullgraph=True`` and asserts the graph holds
-  ``run_dtensor_rng_op``, comparing device RNG states. rngcoord breaks the graph at each
-  DTensor random op so that it draws from the leases (see rngcoord.client.tracker), so:
-  compiled (aot_eager and inductor) == eager bitwise over 3 calls, the lease cursors move
-  identically (in place of RNG states), no compiled graph holds ``run_dtensor_rng_op``, and
-  ``fullgraph=True`` raises Dynamo's Unsupported with rngcoord's explanation.
+- test_compile_*: upstream compares device RNG states and expects ``run_dtensor_rng_op`` in
+  the graph. Under rngcoord the graph holds ``rngcoord::draw`` behind effect tokens, which
+  draws from the leases when the graph runs (rngcoord.client.traced), so: compiled
+  (aot_eager and inductor with ``fallback_random``, ``fullgraph=True``) == eager bitwise over
+  3 calls, the lease cursors move identically (in place of RNG states), and the aot_eager
+  graphs hold ``rngcoord::draw`` in ``with_effects`` and no ``run_dtensor_rng_op``.
 - test_deterministic_uniform_2d reads ``_calc_shard_linear_idx`` from DTensor's tracker, as
   upstream; rngcoord's router inherits it.
 - The LocalTensor variants (create_local_tensor_test_class) are not run: LocalTensor mode

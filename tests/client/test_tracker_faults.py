@@ -28,6 +28,7 @@ from programs import run_threads, run_threads_async, start_gloo, wait_file
 
 from harness import CoordinatorProcess, run_cli
 from rngcoord.client import CoordinatorClient
+from rngcoord.client.leases import LeaseSchedule
 from rngcoord.v1.rules import ATTEST_EVERY
 
 pytestmark = pytest.mark.slow
@@ -41,26 +42,27 @@ def test_extra_op_is_reported_within_one_lease(coordinator: Any, tmp_path: Path)
     results = run_threads(
         "divergence", 2, tmp_path, addr=coordinator.address, job="div", extra_after=extra_after
     )
-    # Rank 1's extra op starts at cursor 96, in lease 1. Lease 2's request (fingerprinted at
-    # the op that first touched lease 1) predates it; lease 3's, sent when lease 2 becomes
-    # current, is the first whose fingerprints differ: the coordinator sees the divergence
-    # within one lease of the op that caused it, whatever the timing.
+    # Rank 1's extra op starts at cursor 96, in lease 1. The requests of leases 0..4 (fixed at
+    # the join) and 5 (fixed by the op that first touched lease 1) predate it; lease 6's,
+    # fixed when lease 2 becomes current, is the first whose fingerprints differ: the
+    # coordinator sees the divergence within lookahead + 1 leases of the op that caused it,
+    # whatever the timing.
     extra_cursor = (extra_after + 1) * OP
-    first_divergent_seq = extra_cursor // LEASE + 2
-    assert first_divergent_seq == 3
-    group = "dp:2[0.1]"
+    first_divergent_seq = extra_cursor // LEASE + 1 + LeaseSchedule().lookahead
+    assert first_divergent_seq == 6
+    group = "dp:2[0-1]"
     for rank, result in enumerate(results):
         assert result["op"] is not None, f"rank {rank} never saw the divergence"
         message = result["message"]
         assert result["group"] == group
-        assert f"divergence in group {group!r} epoch 1 seq {first_divergent_seq}" in message
+        assert f"divergence in group {group!r} epoch 1 at seq {first_divergent_seq}" in message
         assert "rank 0" in message and "rank 1" in message
         assert f"Latest random ops of rank {rank} in group {group!r}" in message
         assert "torch.rand(16,)" in message
     assert "torch.randn(16,)" in results[1]["message"]
     assert "torch.randn" not in results[0]["message"]
-    # The rank whose request for lease 3 was refused raises, at the latest, with the op that
-    # needs lease 3; the other one with its next request, which depends on timing.
+    # The rank whose request for lease 6 was refused raises, at the latest, with the op that
+    # needs lease 6; the other one with its next request, which depends on timing.
     assert min(r["cursor"] for r in results) <= first_divergent_seq * LEASE
     with CoordinatorClient(coordinator.address) as client:
         records = client.list_audit(job="div", kinds=["divergence"])
@@ -77,14 +79,15 @@ def test_extra_op_is_caught_within_1024_ops_with_default_leases(
     for rank, result in enumerate(results):
         assert result["op"] is not None, f"rank {rank} never saw the divergence"
         assert result["op"] < 2 * ATTEST_EVERY + 64, result["op"]
-        assert "after 1024 random ops" in result["message"]
-        assert result["stats"]["reserves"] <= 2  # the first lease and its prefetch
+        assert "at anchor_seq 0, ops 1024" in result["message"]
+        # At most the leases fixed at the join, all with the join's fingerprint.
+        assert result["stats"]["reserves"] <= 1 + LeaseSchedule().lookahead
     # The later attester raises with its next ops, not 1,024 ops later.
     assert min(r["op"] for r in results) < ATTEST_EVERY + 64
     with CoordinatorClient(coordinator.address) as client:
         (record,) = client.list_audit(job="att", kinds=["divergence"])
     assert record.detail["ops"] == ATTEST_EVERY and record.detail["anchor_seq"] == 0
-    assert {record.detail["rank"], record.detail["attested_rank"]} == {0, 1}
+    assert {record.detail["rank"], record.detail["first"]["rank"]} == {0, 1}
 
 
 def test_job_outlives_a_coordinator_restart(coordinator: Any, tmp_path: Path) -> None:
@@ -102,7 +105,7 @@ def test_job_outlives_a_coordinator_restart(coordinator: Any, tmp_path: Path) ->
         # While the coordinator was down, 28 ops ran on the lease in hand and the prefetched
         # one, without waiting for any lease.
         assert result["offline_stats"]["stalls"] == result["online_stats"]["stalls"]
-        assert result["offline_stats"]["received"] == result["online_stats"]["received"] == 2
+        assert result["offline_stats"]["received"] == result["online_stats"]["received"] >= 2
         # After the restart the job asked for (and got) the leases it needed next.
         assert result["stats"]["received"] >= 4
         assert result["cursor"] == 52 * OP

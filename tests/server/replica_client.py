@@ -6,9 +6,10 @@
 Each `--member` runs in its own thread with its own `CoordinatorClient` (the targets in the
 order given, so the first one is its replica until that fails). It joins the group, then asks
 for lease seq 0, 1, 2, ... until the file `--stop` exists. Every reply is printed at once as
-one JSON object per line: {"group", "rank", "member_id", "epoch", "seq", "seed", "start",
-"end", "existing"}. Exit 0 when every member stopped cleanly, 1 (with the error on stderr)
-when any call failed.
+one JSON object per line: {"group", "rank", "member_id", "secret", "epoch", "seq", "seed",
+"start", "end", "existing"} (secret: the member's credential, in hex, so that the test can
+read the leases back as that member). Exit 0 when every member stopped cleanly, 1 (with the
+error on stderr) when any call failed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import uuid
 from pathlib import Path
 
 from rngcoord.client import CoordinatorClient
+from rngcoord.client.connection import member_secret
 
 FINGERPRINT = b"\x01" * 16
 
@@ -35,7 +37,7 @@ def run_member(
 ) -> None:
     """Join `group` as `rank`, then reserve leases until `stop` exists, printing each."""
     member_id = f"m{rank}-{uuid.uuid4().hex[:8]}"
-    with CoordinatorClient(targets, deadline_s=5.0, retries=8, backoff_s=0.05) as client:
+    with CoordinatorClient(targets, deadline_s=5.0, outage_s=10.0, backoff_s=0.05) as client:
         epoch = client.join_group(
             job, group, rank=rank, world_size=world_size, member_id=member_id, timeout_s=60
         ).epoch
@@ -55,6 +57,7 @@ def run_member(
                 "group": group,
                 "rank": rank,
                 "member_id": member_id,
+                "secret": member_secret(member_id).hex(),
                 "epoch": epoch,
                 "seq": seq,
                 "seed": lease.seed,

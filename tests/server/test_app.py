@@ -21,7 +21,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness import CoordinatorFactory, CoordinatorProcess, join_all, wait_for_group
+from harness import CoordinatorFactory, CoordinatorProcess, join_all, secret_for, wait_for_group
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -39,6 +39,7 @@ def _reserve(seq: int, member: str, *, job: str = JOB, size: int = 64) -> pb.Res
         fingerprint=b"fp",
         rank=0,
         member_id=member,
+        member_secret=secret_for(member),
     )
 
 
@@ -152,7 +153,14 @@ def _make_certificates(workdir: Path) -> dict[str, Path]:
 def _tls_call(server: CoordinatorProcess, credentials: grpc.ChannelCredentials) -> int:
     stub = pb_grpc.CoordinatorStub(server.channel(credentials))
     reply = stub.JoinGroup(
-        pb.JoinGroupRequest(job=JOB, group="tls", rank=0, world_size=1, member_id="t0"),
+        pb.JoinGroupRequest(
+            job=JOB,
+            group="tls",
+            rank=0,
+            world_size=1,
+            member_id="t0",
+            member_secret=secret_for("t0"),
+        ),
         timeout=10,
     )
     epoch: int = reply.epoch
@@ -194,7 +202,13 @@ def test_sigterm_lets_in_flight_rpcs_finish_then_exits_0(
         try:
             stub.JoinGroup(
                 pb.JoinGroupRequest(
-                    job=JOB, group="drain", rank=0, world_size=2, member_id="d0", timeout_ms=1500
+                    job=JOB,
+                    group="drain",
+                    rank=0,
+                    world_size=2,
+                    member_id="d0",
+                    member_secret=secret_for("d0"),
+                    timeout_ms=1500,
                 ),
                 timeout=30,
             )
@@ -245,3 +259,30 @@ def test_every_log_line_is_json_even_from_psycopg_pool(
     for line in lines:
         assert set(json.loads(line)) >= {"ts", "level", "logger", "event", "fields"}, line
     assert any(json.loads(line)["logger"].startswith("psycopg") for line in lines), lines
+
+
+def test_an_answer_whose_caller_left_logs_no_traceback() -> None:
+    """gRPC's aio server logs ExecuteBatchError with a traceback when a handler answers a
+    caller that has gone; under a storm of cancelled calls that raced the CI log check. The
+    line is dropped, and gRPC's other errors still log."""
+    import io
+    import logging
+
+    from rngcoord.server import logs
+
+    stream = io.StringIO()
+    logs.configure(stream=stream)
+    core = logging.getLogger("grpc._cython.cygrpc")
+    try:
+        raise RuntimeError("Failed execute_batch")
+    except RuntimeError:
+        core.exception(
+            "ExecuteBatchError raised in core by servicer method [%s]",
+            "/rngcoord.v1.Coordinator/Reserve",
+        )
+        core.exception("Unexpected [%s] raised by servicer method", "RuntimeError")
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    logs.configure()
+    assert [line["event"] for line in lines] == [
+        "Unexpected [RuntimeError] raised by servicer method"
+    ]

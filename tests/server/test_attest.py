@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from harness import CoordinatorProcess, join_all, run_cli
+from harness import CoordinatorProcess, join_all, run_cli, secret_for
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.rules import ATTEST_EVERY
 from rngcoord.v1.status import error_info
@@ -48,11 +48,29 @@ def test_attest(coordinator: CoordinatorProcess) -> None:
             "fingerprint": fingerprint,
             "rank": rank,
             "member_id": members[rank],
+            "member_secret": secret_for(members[rank]),
         }
         request.update(fields)
         reply: pb.AttestResponse = stub.Attest(pb.AttestRequest(**request), timeout=30)
         return reply
 
+    # The ops attested drew from leases: 4 of 2 * ATTEST_EVERY ops each (an attestation may
+    # not come ahead of what the leases since its anchor hold).
+    for seq in range(4):
+        stub.Reserve(
+            pb.ReserveRequest(
+                job=JOB,
+                group=GROUP,
+                epoch=epoch,
+                seq=seq,
+                size=8 * ATTEST_EVERY,
+                fingerprint=b"same",
+                rank=0,
+                member_id=members[0],
+                member_secret=secret_for(members[0]),
+            ),
+            timeout=30,
+        )
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     for fields, field in (
         ({"ops": 0}, "ops"),
@@ -88,10 +106,11 @@ def test_attest(coordinator: CoordinatorProcess) -> None:
         group=GROUP,
         epoch=epoch,
         seq=0,
-        size=4096,
+        size=8 * ATTEST_EVERY,
         fingerprint=b"same",
         rank=0,
         member_id=members[0],
+        member_secret=secret_for(members[0]),
     )
     assert _refusal(lambda: stub.Reserve(reserve, timeout=30))[1] == "DIVERGENCE"
     records = [
@@ -101,7 +120,7 @@ def test_attest(coordinator: CoordinatorProcess) -> None:
     ]
     assert len(records) == 1
     detail = json.loads(records[0].detail)
-    assert (detail["ops"], detail["rank"], detail["attested_rank"]) == (ATTEST_EVERY, 2, 0)
+    assert (detail["ops"], detail["rank"], detail["first"]["rank"]) == (ATTEST_EVERY, 2, 0)
 
     # A new epoch starts clean, and the store verifies.
     again = join_all(stub, JOB, GROUP, 1)

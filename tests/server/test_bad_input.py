@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness import CoordinatorProcess, run_cli, wait_for_group
+from harness import CoordinatorProcess, run_cli, secret_for, wait_for_group
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.rules import MAX_WORLD_SIZE
 
@@ -56,7 +56,13 @@ class Ref:
         for member in ("old-member", "member-b"):
             joined = self.stub.JoinGroup(
                 pb.JoinGroupRequest(
-                    job=JOB, group=GROUP, rank=0, world_size=1, member_id=member, job_seed=99
+                    job=JOB,
+                    group=GROUP,
+                    rank=0,
+                    world_size=1,
+                    member_id=member,
+                    member_secret=secret_for(member),
+                    job_seed=99,
                 ),
                 timeout=30,
             )
@@ -83,6 +89,7 @@ class Ref:
             "member_id": self.member,
         }
         base.update(fields)
+        base.setdefault("member_secret", secret_for(base["member_id"]))
         return pb.ReserveRequest(**base)
 
     def restore_request(self, **fields: Any) -> pb.RestoreRequest:
@@ -96,6 +103,7 @@ class Ref:
             "member_id": self.member,
         }
         base.update(fields)
+        base.setdefault("member_secret", secret_for(base["member_id"]))
         return pb.RestoreRequest(**base)
 
     def leave_request(self, **fields: Any) -> pb.LeaveGroupRequest:
@@ -107,6 +115,7 @@ class Ref:
             "member_id": self.member,
         }
         base.update(fields)
+        base.setdefault("member_secret", secret_for(base["member_id"]))
         return pb.LeaveGroupRequest(**base)
 
     def join_request(self, **fields: Any) -> pb.JoinGroupRequest:
@@ -120,6 +129,7 @@ class Ref:
             "include_members": True,
         }
         base.update(fields)
+        base.setdefault("member_secret", secret_for(base["member_id"]))
         return pb.JoinGroupRequest(**base)
 
     def call(self, method: str, request: Any) -> grpc.RpcError:

@@ -21,7 +21,18 @@ from pathlib import Path
 
 import pytest
 
-from harness import CountingStore, InProcess, LoopThread, ManualClock, form, run_cli
+from harness import (
+    CountingStore,
+    InProcess,
+    LoopThread,
+    ManualClock,
+    caller,
+    form,
+    run_cli,
+    secret_for,
+    token_leaks,
+)
+from rngcoord.server.membership import Caller
 from rngcoord.server.sqlite import SqliteStore
 
 JOB = "cli-job"
@@ -32,15 +43,10 @@ def _grant(h: InProcess, group: str, seqs: range) -> None:
     for seq in seqs:
         h.run(
             h.coord.reserve(
-                JOB,
-                group,
-                epoch=1,
+                Caller(JOB, group, 1, 0, "m0", secret_for("m0"), ACTOR),
                 seq=seq,
                 size=1024,
                 fingerprint=b"fp",
-                rank=0,
-                member_id="m0",
-                actor=ACTOR,
             )
         )
 
@@ -66,7 +72,7 @@ def filled(tmp_path: Path) -> Iterator[str]:
         for group, leases in (("tp", 3), ("dp", 2)):
             form(h, group, ("m0",), job=JOB, job_seed=7)
             _grant(h, group, range(leases))
-        h.run(h.coord.restore(JOB, "tp", epoch=1, seq=3, cursor=0, rank=0, member_id="m0"))
+        h.run(h.coord.restore(caller("m0", group="tp", job=JOB), seq=3, cursor=0))
     yield url
 
 
@@ -236,7 +242,52 @@ def test_serve_refuses_a_bad_token_file_a_busy_port_and_half_a_tls_setup(
     assert "TLS needs both --tls-cert and --tls-key" in half.stderr
 
 
-@pytest.mark.parametrize("command", [[], ["serve"], ["audit"], ["report"], ["verify"], ["demo"]])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "ops tk-0123456789abcdef member job-a",  # the token where the role goes
+        "ops member tk-0123456789abcdef/x job-a",  # where the job patterns go
+        "tk-0123456789abcdef! member job-a secret-2",  # where the name goes
+        "tk-0123456789abcdef!! secret-2",  # where an older line's job goes
+    ],
+)
+def test_a_token_file_error_never_shows_any_field_of_the_line(tmp_path: Path, line: str) -> None:
+    # A line in the wrong order may hold its token in any field: none is ever echoed.
+    tokens = tmp_path / "tokens"
+    tokens.write_text(line + "\n")
+    db = ["--db", f"sqlite:///{tmp_path / 's.db'}", "--metrics", "off", "--init"]
+    refused = run_cli("serve", "--listen", "127.0.0.1:0", *db, "--tokens", str(tokens))
+    assert refused.returncode == 2
+    assert f"{tokens}:1: field" in refused.stderr
+    assert "tk-0123" not in refused.stderr + refused.stdout
+
+
+def test_the_suite_wide_token_scan_finds_a_token_in_any_file(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "tokens").write_text(
+        "ops admin * a-long-test-token\nbroken line tok3n-xyz-9\n"
+    )
+    (tmp_path / "b.log").write_text('{"event":"x","fields":{"t":"a-long-test-token"}}\n')
+    (tmp_path / "c.log").write_text("nothing here\n")
+    assert token_leaks(tmp_path) == [f"{tmp_path / 'b.log'}: a-lo..."]
+    (tmp_path / "c.log").write_text("... tok3n-xyz-9 ...\n")
+    assert len(token_leaks(tmp_path)) == 2
+    # These leaks are on purpose: the session's own scan (conftest.py) must not see them.
+    (tmp_path / "a" / "tokens").unlink()
+
+
+# `demo --help` imports the client package, and with it torch (several seconds): slow tier.
+@pytest.mark.parametrize(
+    "command",
+    [
+        [],
+        ["serve"],
+        ["audit"],
+        ["report"],
+        ["verify"],
+        pytest.param(["demo"], marks=pytest.mark.slow),
+    ],
+)
 def test_help_reads_well(command: list[str]) -> None:
     result = run_cli(*command, "--help")
     assert result.returncode == 0, result.stderr

@@ -23,13 +23,15 @@ from harness import (
     InProcess,
     LoopThread,
     ManualClock,
+    caller,
     form,
     gather_list,
     join,
     records,
     reserve,
+    secret_for,
 )
-from rngcoord.server import seeds
+from rngcoord.server import divergences, seeds
 from rngcoord.server.coordinator import Coordinator
 from rngcoord.server.errors import (
     CoordinatorError,
@@ -43,6 +45,7 @@ from rngcoord.server.errors import (
     RestoreTimeout,
     StaleEpoch,
 )
+from rngcoord.server.membership import Caller
 from rngcoord.server.sqlite import SqliteStore
 from rngcoord.server.verify import verify
 from rngcoord.v1.rules import ATTEST_EVERY, MAX_OFFSET
@@ -166,27 +169,73 @@ def test_divergence_is_recorded_named_and_poisons_the_epoch(h: InProcess) -> Non
         reserve(h, 0, size=128, fp=b"\x03", rank=1, member="m1")
     message = err.value.message
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert message == (
-        "divergence in group 'g' epoch 1 seq 0: rank 1 asked for size=128 fingerprint=03 "
-        "but rank 0 was granted size=64 fingerprint=0102; the ranks disagree about the "
-        "sequence of random ops"
+    said = (
+        "divergence in group 'g' epoch 1 at seq 0: rank 0 sent size=64 fingerprint=0102; "
+        "rank 1 sent size=128 fingerprint=03. Rank 0 spoke first; the divergent side: rank 1. "
+        "The ranks disagree about the sequence of random ops."
     )
+    assert message == said + " Disagreeing with rank 1: rank 0."
     assert err.value.metadata == {
         "job": JOB,
         "group": "g",
         "epoch": "1",
         "seq": "0",
         "ranks": "0,1",
+        "first": "0",
+        "divergent": "1",
+        "disagree": "0",
     }
     (record,) = records(h, "divergence")
-    assert record.detail["granted_rank"] == 0 and record.detail["rank"] == 1
-    # From now on the epoch refuses every lease, even a matching repeat, without writing.
+    assert record.detail["first"]["rank"] == 0 and record.detail["rank"] == 1
+    # From now on the epoch refuses every lease, even a matching repeat, without writing;
+    # each rank hears which ranks disagree with it.
     before = dump(h.store)
-    for seq, rank, member in [(0, 0, "m0"), (1, 0, "m0"), (1, 1, "m1")]:
+    for seq, rank, member, disagree in [(0, 0, "m0", 1), (1, 0, "m0", 1), (1, 1, "m1", 0)]:
         with pytest.raises(Divergence) as later:
             reserve(h, seq, fp=b"\x01\x02", rank=rank, member=member)
-        assert later.value.message == message
+        assert later.value.message == f"{said} Disagreeing with rank {rank}: rank {disagree}."
     assert dump(h.store) == before
+
+
+def test_a_divergence_names_every_side_and_the_minority_as_divergent(h: InProcess) -> None:
+    # A member that reserves the next seq first with a bogus fingerprint is the one named.
+    form(h, members=("m0", "m1", "m2"))
+    reserve(h, 0, fp=b"bogus", rank=2, member="m2")
+    with pytest.raises(Divergence):
+        reserve(h, 0, fp=b"honest", rank=0, member="m0")
+    with pytest.raises(Divergence) as third:
+        reserve(h, 0, fp=b"honest", rank=1, member="m1")
+    assert third.value.metadata["ranks"] == "0,1,2"
+    assert third.value.metadata["first"] == "2"
+    assert third.value.metadata["divergent"] == "2"
+    assert third.value.metadata["disagree"] == "2"
+    assert "the divergent side: rank 2." in third.value.message
+    # The record of each rank heard names it, its side and its address.
+    heard = records(h, "divergence")
+    assert [r.detail["rank"] for r in heard] == [0, 1]
+    assert heard[0].detail["first"]["rank"] == 2
+    # The first speaker asking again sees the same sides.
+    with pytest.raises(Divergence) as again:
+        reserve(h, 1, fp=b"bogus", rank=2, member="m2")
+    assert again.value.metadata["disagree"] == "0,1"
+
+
+def test_a_divergence_hears_a_bounded_number_of_ranks(
+    h: InProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each rank heard re-derives the record: past HEARD ranks, later ones get the record as it
+    # stands, without a write, so a divergence of a 10^5-rank epoch costs O(HEARD) writes.
+    monkeypatch.setattr(divergences, "HEARD", 2)
+    form(h, members=("m0", "m1", "m2"))
+    reserve(h, 0, fp=b"a", rank=0, member="m0")
+    with pytest.raises(Divergence):
+        reserve(h, 0, fp=b"b", rank=1, member="m1")
+    before = dump(h.store)
+    with pytest.raises(Divergence) as late:
+        reserve(h, 0, fp=b"a", rank=2, member="m2")
+    assert dump(h.store) == before
+    assert late.value.metadata["ranks"] == "0,1" and late.value.metadata["disagree"] == ""
+    assert len(records(h, "divergence")) == 1
 
 
 def test_exhaustion_near_two_to_the_64_refuses_without_wrapping(h: InProcess) -> None:
@@ -234,7 +283,7 @@ def test_stale_and_future_epochs_and_non_members_are_refused(h: InProcess) -> No
     with pytest.raises(NotMember):
         reserve(h, 0, epoch=2, rank=5, member="n0")
     with pytest.raises(StaleEpoch):
-        h.run(h.coord.restore(JOB, "g", epoch=1, seq=1, cursor=0, rank=0, member_id="m0"))
+        h.run(h.coord.restore(caller("m0", job=JOB), seq=1, cursor=0))
 
 
 def test_a_stale_epoch_is_fenced_from_memory_and_from_the_store(h: InProcess) -> None:
@@ -258,28 +307,23 @@ def test_unknown_job_and_group_are_not_found(h: InProcess) -> None:
         reserve(h, 0, group="other")
     assert group.value.reason_name == "UNKNOWN_GROUP"
     with pytest.raises(NotFound, match="unknown job 'nope'"):
-        h.run(
-            h.coord.reserve(
-                "nope", "g", epoch=1, seq=0, size=4, fingerprint=b"x", rank=0, member_id="m0"
-            )
-        )
+        h.run(h.coord.reserve(caller("m0", job="nope"), seq=0, size=4, fingerprint=b"x"))
 
 
 def _bad_reserve(**fields: Any) -> Callable[[Coordinator], Coroutine[Any, Any, object]]:
-    args: dict[str, Any] = {
-        "epoch": 1,
-        "seq": 0,
-        "size": 4,
-        "fingerprint": b"x",
-        "rank": 0,
-        "member_id": "m",
-    }
+    args: dict[str, Any] = {"seq": 0, "size": 4, "fingerprint": b"x"}
     args.update(fields)
-    return lambda c: c.reserve(JOB, "g", **args)
+    return lambda c: c.reserve(caller("m", job=JOB), **args)
 
 
 def _bad_join(**fields: Any) -> Callable[[Coordinator], Coroutine[Any, Any, object]]:
-    args: dict[str, Any] = {"rank": 0, "world_size": 1, "member_id": "m", "timeout_s": 1.0}
+    args: dict[str, Any] = {
+        "rank": 0,
+        "world_size": 1,
+        "member_id": "m",
+        "member_secret": secret_for("m"),
+        "timeout_s": 1.0,
+    }
     args.update(fields)
     return lambda c: c.join(JOB, "g", **args)
 
@@ -305,15 +349,15 @@ async def _first(items: Any) -> object:
         (_bad_reserve(fingerprint=b""), "invalid fingerprint b''"),
         (_bad_reserve(fingerprint=b"x" * 65), "invalid fingerprint"),
         (_bad_reserve(seq=1 << 63), "invalid seq"),
+        (lambda c: c.restore(caller("m", job=JOB), seq=0, cursor=2), "invalid cursor 2"),
         (
-            lambda c: c.restore(JOB, "g", epoch=1, seq=0, cursor=2, rank=0, member_id="m"),
-            "invalid cursor 2",
-        ),
-        (
-            lambda c: c.restore(
-                JOB, "g", epoch=1, seq=0, cursor=MAX_OFFSET + 4, rank=0, member_id="m"
-            ),
+            lambda c: c.restore(caller("m", job=JOB), seq=0, cursor=MAX_OFFSET + 4),
             "invalid cursor",
+        ),
+        (_bad_join(member_secret=b"short"), "invalid member_secret '<5 bytes>'"),
+        (
+            lambda c: c.reserve(caller("m", job=JOB, secret=b""), seq=0, size=4, fingerprint=b"x"),
+            "invalid member_secret '<0 bytes>'",
         ),
         (lambda c: _first(c.list_audit(limit=-1)), "invalid limit -1"),
         (lambda c: c.get_group(JOB, "g", members_limit=70000), "invalid members_limit 70000"),
@@ -350,6 +394,7 @@ def test_join_barrier_gives_every_rank_the_same_epoch(h: InProcess) -> None:
         "start": 0,
         "members_digest": digest.hex(),
         "previous_epoch": 0,
+        "waited_s": 0.0,  # one batch, on a manual clock
     }
     assert pending(h) == []
     info = h.run(h.coord.get_group(JOB, "tp", members_limit=3))
@@ -358,7 +403,15 @@ def test_join_barrier_gives_every_rank_the_same_epoch(h: InProcess) -> None:
     assert (rest.members, rest.members_next, rest.world_size) == ((members[3],), 4, 4)
     assert rest.members_digest == digest
     listed = h.run(
-        h.coord.join(JOB, "tp", rank=2, world_size=4, member_id=members[2], include_members=True)
+        h.coord.join(
+            JOB,
+            "tp",
+            rank=2,
+            world_size=4,
+            member_id=members[2],
+            member_secret=secret_for(members[2]),
+            include_members=True,
+        )
     )
     assert listed.members == tuple(members)
 
@@ -493,17 +546,17 @@ def test_seed_derivation_worked_example() -> None:
 def test_leave_fences_the_member_and_keeps_the_epoch(h: InProcess) -> None:
     form(h)
     reserve(h, 0, rank=1, member="m1")  # cached as a member: the leave must drop that
-    h.run(h.coord.leave(JOB, "g", epoch=1, rank=1, member_id="m1"))
+    h.run(h.coord.leave(caller("m1", rank=1, job=JOB)))
     assert h.run(h.coord.get_group(JOB, "g")).members == ("m0", "")
     with pytest.raises(NotMember):
         reserve(h, 0, rank=1, member="m1")
     assert reserve(h, 0).existing is True
     writes = h.store.writes
-    h.run(h.coord.leave(JOB, "g", epoch=1, rank=1, member_id="m1"))
+    h.run(h.coord.leave(caller("m1", rank=1, job=JOB)))
     assert [r.detail for r in records(h, "leave")] == [{"epoch": 1, "rank": 1, "member_id": "m1"}]
     assert h.store.writes == writes + 1  # the repeat checked, in a write, and changed nothing
     with pytest.raises(NotMember, match="rank 0 member 'x' is not a member"):
-        h.run(h.coord.leave(JOB, "g", epoch=1, rank=0, member_id="x"))
+        h.run(h.coord.leave(caller("x", job=JOB)))
 
 
 def _restore(
@@ -512,14 +565,9 @@ def _restore(
     """Start a Restore vote; the future completes when the Restore takes effect (or fails)."""
     return h.start(
         h.coord.restore(
-            JOB,
-            "g",
-            epoch=kw.pop("epoch", 1),
+            Caller(JOB, "g", kw.pop("epoch", 1), rank, member, secret_for(member), f"id{rank}"),
             seq=seq,
             cursor=cursor,
-            rank=rank,
-            member_id=member,
-            actor=f"id{rank}",
             **kw,
         )
     )
@@ -603,7 +651,7 @@ def test_members_asking_for_different_cursors_conflict(h: InProcess) -> None:
 
 def test_a_member_that_left_is_not_waited_for(h: InProcess) -> None:
     form(h, members=("m0", "m1", "m2"))
-    h.run(h.coord.leave(JOB, "g", epoch=1, rank=2, member_id="m2"))
+    h.run(h.coord.leave(caller("m2", rank=2, job=JOB)))
     first = _restore(h, 0, 0, 0, "m0")
     assert _restore(h, 0, 0, 1, "m1").result(5).cursor == 0
     assert first.result(5).cursor == 0
@@ -679,14 +727,10 @@ def test_storm_gets_identical_non_overlapping_leases(h: InProcess) -> None:
         member = world[rank]
         return [
             await h.coord.reserve(
-                JOB,
-                "storm",
-                epoch=1,
+                caller(member, rank=rank, group="storm", job=JOB),
                 seq=seq,
                 size=4 * (seq + 1),
                 fingerprint=b"fp",
-                rank=rank,
-                member_id=member,
             )
             for seq in range(seqs)
         ]
@@ -711,18 +755,16 @@ def test_agreeing_attestations_write_once_and_a_divergent_one_is_recorded(h: InP
     or in memory. Then a member with other bytes diverges the epoch (one more write)."""
     members = [f"m{rank}" for rank in range(64)]
     joined = form(h, "att", members, job=JOB)
+    # The ops being attested drew from a lease (an attestation may not come ahead of them).
+    reserve(h, 0, size=4 * ATTEST_EVERY, group="att")
 
     def attest(rank: int, fingerprint: bytes) -> None:
         h.run(
             h.coord.attest(
-                JOB,
-                "att",
-                epoch=joined.epoch,
+                caller(members[rank], rank=rank, epoch=joined.epoch, group="att", job=JOB),
                 anchor_seq=0,
                 ops=ATTEST_EVERY,
                 fingerprint=fingerprint,
-                rank=rank,
-                member_id=members[rank],
             )
         )
 
@@ -731,18 +773,36 @@ def test_agreeing_attestations_write_once_and_a_divergent_one_is_recorded(h: InP
         attest(rank, b"same")
     attest(0, b"same")
     assert h.store.writes == writes + 1
-    with pytest.raises(Divergence, match="after 1024 random ops: rank 7"):
+    with pytest.raises(Divergence, match="at anchor_seq 0, ops 1024: rank 0 sent"):
         attest(7, b"other")
     assert h.store.writes == writes + 2
-    # Memory never answers for a diverged epoch, even for bytes that agree.
-    with pytest.raises(Divergence):
+    # Memory never answers for a diverged epoch, even for bytes that agree: a member that
+    # attests the same count is heard, on rank 0's side, and rank 7 stays the divergent one.
+    with pytest.raises(Divergence) as heard:
         attest(1, b"same")
-    (record,) = records(h, "divergence")
-    assert (record.detail["ops"], record.detail["rank"], record.detail["attested_rank"]) == (
+    assert heard.value.metadata["divergent"] == "7"
+    assert heard.value.metadata["disagree"] == "7"
+    record, also = records(h, "divergence")
+    assert (also.detail["rank"], also.detail["heard"]) == (1, True)
+    assert (record.detail["ops"], record.detail["rank"], record.detail["first"]["rank"]) == (
         ATTEST_EVERY,
         7,
         0,
     )
+
+
+def test_an_attestation_ahead_of_the_leases_is_refused(h: InProcess) -> None:
+    # A far-future count (a time bomb: honest ranks would meet it later and diverge) is
+    # refused: the leases since the anchor cannot hold that many ops.
+    form(h)
+    reserve(h, 0, size=4 * ATTEST_EVERY)
+    ahead = caller("m1", rank=1, job=JOB)
+    with pytest.raises(InvalidArgument, match="at most 1024 ops") as refused:
+        h.run(h.coord.attest(ahead, anchor_seq=0, ops=1000 * ATTEST_EVERY, fingerprint=b"x"))
+    assert refused.value.metadata["field"] == "ops"
+    assert records(h, "divergence") == []
+    # Within the leases, the same member's attestation is taken.
+    h.run(h.coord.attest(ahead, anchor_seq=0, ops=ATTEST_EVERY, fingerprint=b"x"))
 
 
 def test_a_committed_grant_survives_an_abandoned_store(db: Path, loop: LoopThread) -> None:
@@ -755,25 +815,31 @@ def test_a_committed_grant_survives_an_abandoned_store(db: Path, loop: LoopThrea
 
     async def form_and_grant() -> Lease:
         await asyncio.gather(
-            first.join(JOB, "g", rank=0, world_size=2, member_id="m0", job_seed=1),
-            first.join(JOB, "g", rank=1, world_size=2, member_id="m1", job_seed=1),
+            *(
+                first.join(
+                    JOB,
+                    "g",
+                    rank=rank,
+                    world_size=2,
+                    member_id=f"m{rank}",
+                    member_secret=secret_for(f"m{rank}"),
+                    job_seed=1,
+                )
+                for rank in range(2)
+            )
         )
-        return await first.reserve(
-            JOB, "g", epoch=1, seq=0, size=64, fingerprint=b"ops", rank=0, member_id="m0"
-        )
+        return await first.reserve(caller("m0", job=JOB), seq=0, size=64, fingerprint=b"ops")
 
     granted = loop.run(form_and_grant())
     # The first store is never closed: all that counts is what reached the disk.
     reopened = SqliteStore(db)
     second = loop.run(make(reopened))
     again = loop.run(
-        second.reserve(
-            JOB, "g", epoch=1, seq=0, size=64, fingerprint=b"ops", rank=1, member_id="m1"
-        )
+        second.reserve(caller("m1", rank=1, job=JOB), seq=0, size=64, fingerprint=b"ops")
     )
     assert again == Lease("g", 1, 0, granted.seed, granted.start, granted.end, existing=True)
     following = loop.run(
-        second.reserve(JOB, "g", epoch=1, seq=1, size=4, fingerprint=b"ops", rank=1, member_id="m1")
+        second.reserve(caller("m1", rank=1, job=JOB), seq=1, size=4, fingerprint=b"ops")
     )
     assert following.start == granted.end
     assert verify(reopened).ok

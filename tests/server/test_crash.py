@@ -19,7 +19,7 @@ from typing import NamedTuple
 import grpc
 import pytest
 
-from harness import CoordinatorFactory, run_cli
+from harness import CoordinatorFactory, run_cli, secret_for
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -61,6 +61,7 @@ def _reserve(
             fingerprint=_fingerprint(seq),
             rank=0,
             member_id=member,
+            member_secret=secret_for(member),
         ),
         timeout=30,
     )
@@ -87,6 +88,7 @@ def storm_client(
                         rank=0,
                         world_size=1,
                         member_id=member,
+                        member_secret=secret_for(member),
                         timeout_ms=30_000,
                     ),
                     timeout=60,
@@ -175,7 +177,12 @@ def test_sigkill_mid_storm_loses_no_answered_lease(
         # 3. A restarted member forms a new epoch, which starts past everything granted.
         rejoined = stub.JoinGroup(
             pb.JoinGroupRequest(
-                job=JOB, group=group, rank=0, world_size=1, member_id=f"{last.member}-b"
+                job=JOB,
+                group=group,
+                rank=0,
+                world_size=1,
+                member_id=f"{last.member}-b",
+                member_secret=secret_for(f"{last.member}-b"),
             ),
             timeout=30,
         )

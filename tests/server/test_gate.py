@@ -19,7 +19,8 @@ from typing import Any
 import grpc
 import pytest
 
-from harness import CoordinatorFactory, CoordinatorProcess
+from harness import CoordinatorFactory, CoordinatorProcess, secret_for
+from rngcoord.client.session import SessionStub
 from rngcoord.server.gate import PeerRateLimit, peer_host
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.status import error_info
@@ -41,27 +42,79 @@ def _get_group(server: CoordinatorProcess, token: str) -> str:
 def _requests(job: str) -> dict[str, Any]:
     return {
         "JoinGroup": pb.JoinGroupRequest(
-            job=job, group="g", rank=0, world_size=1, member_id="m0", timeout_ms=5000
+            job=job,
+            group="g",
+            rank=0,
+            world_size=1,
+            member_id="m0",
+            member_secret=secret_for("m0"),
+            timeout_ms=5000,
+        ),
+        "JoinGroups": pb.JoinGroupsRequest(
+            job=job,
+            joins=[
+                pb.JoinGroupRequest(
+                    group="h",
+                    rank=0,
+                    world_size=1,
+                    member_id="m0",
+                    member_secret=secret_for("m0"),
+                    timeout_ms=5000,
+                )
+            ],
         ),
         "Reserve": pb.ReserveRequest(
-            job=job, group="g", epoch=1, seq=0, size=64, fingerprint=b"f", rank=0, member_id="m0"
+            job=job,
+            group="g",
+            epoch=1,
+            seq=0,
+            size=64,
+            fingerprint=b"f",
+            rank=0,
+            member_id="m0",
+            member_secret=secret_for("m0"),
         ),
         "GetGroup": pb.GetGroupRequest(job=job, group="g"),
         "Restore": pb.RestoreRequest(
-            job=job, group="g", epoch=1, seq=5, cursor=0, rank=0, member_id="m0", timeout_ms=50
+            job=job,
+            group="g",
+            epoch=1,
+            seq=5,
+            cursor=0,
+            rank=0,
+            member_id="m0",
+            member_secret=secret_for("m0"),
+            timeout_ms=50,
         ),
         "ForcedRestore": pb.RestoreRequest(
-            job=job, group="g", epoch=1, seq=6, cursor=0, rank=0, member_id="m0", force=True
+            job=job,
+            group="g",
+            epoch=1,
+            seq=6,
+            cursor=0,
+            rank=0,
+            member_id="m0",
+            member_secret=secret_for("m0"),
+            force=True,
         ),
         "ListAudit": pb.ListAuditRequest(job=job),
-        "LeaveGroup": pb.LeaveGroupRequest(job=job, group="g", epoch=1, rank=0, member_id="m0"),
+        "LeaveGroup": pb.LeaveGroupRequest(
+            job=job, group="g", epoch=1, rank=0, member_id="m0", member_secret=secret_for("m0")
+        ),
     }
 
 
-def _call(server: CoordinatorProcess, method: str, request: Any, token: str | None) -> str:
-    """PASSED, or the status code name of a refusal by the gate."""
-    stub = server.stub()
-    metadata = [("authorization", f"Bearer {token}")] if token is not None else []
+def _call(
+    server: CoordinatorProcess,
+    method: str,
+    request: Any,
+    token: str | None,
+    transport: str = "unary",
+) -> str:
+    """PASSED, or the status code name of a refusal by the gate. `transport` "session" sends
+    the member calls on a Session stream that carries the token (ListAudit stays unary)."""
+    metadata = (("authorization", f"Bearer {token}"),) if token is not None else ()
+    stub: Any = server.stub() if transport == "unary" else SessionStub(server.channel(), metadata)
     rpc = "Restore" if method == "ForcedRestore" else method
     try:
         reply = getattr(stub, rpc)(request, metadata=metadata, timeout=10)
@@ -71,6 +124,9 @@ def _call(server: CoordinatorProcess, method: str, request: Any, token: str | No
         info = error_info(e)
         if info is not None and info.reason in ("BAD_TOKEN", "NOT_PERMITTED"):
             return str(e.code().name)
+    finally:
+        if isinstance(stub, SessionStub):
+            stub.close()
     return PASSED
 
 
@@ -78,6 +134,7 @@ def _call(server: CoordinatorProcess, method: str, request: Any, token: str | No
 EXPECTED = {
     "member": {
         "JoinGroup": PASSED,
+        "JoinGroups": PASSED,
         "Reserve": PASSED,
         "GetGroup": PASSED,
         "Restore": PASSED,
@@ -87,6 +144,7 @@ EXPECTED = {
     },
     "auditor": {
         "JoinGroup": "PERMISSION_DENIED",
+        "JoinGroups": "PERMISSION_DENIED",
         "Reserve": "PERMISSION_DENIED",
         "GetGroup": PASSED,
         "Restore": "PERMISSION_DENIED",
@@ -95,7 +153,16 @@ EXPECTED = {
         "LeaveGroup": "PERMISSION_DENIED",
     },
     "admin": dict.fromkeys(
-        ("JoinGroup", "Reserve", "GetGroup", "Restore", "ForcedRestore", "ListAudit", "LeaveGroup"),
+        (
+            "JoinGroup",
+            "JoinGroups",
+            "Reserve",
+            "GetGroup",
+            "Restore",
+            "ForcedRestore",
+            "ListAudit",
+            "LeaveGroup",
+        ),
         PASSED,
     ),
 }
@@ -109,12 +176,15 @@ def server(coordinator_factory: CoordinatorFactory, tmp_path: Path) -> Coordinat
     return coordinator_factory(args=["--tokens", str(tokens)])
 
 
-def test_each_role_on_each_rpc_on_its_own_job_and_another(server: CoordinatorProcess) -> None:
+@pytest.mark.parametrize("transport", ["unary", pytest.param("session", marks=pytest.mark.slow)])
+def test_each_role_on_each_rpc_on_its_own_job_and_another(
+    server: CoordinatorProcess, transport: str
+) -> None:
     got: dict[tuple[str, str, str], str] = {}
     for role, secret in SECRETS.items():
         for where, job in (("own", OWN), ("other", OTHER)):
             for method, request in _requests(job).items():
-                got[role, where, method] = _call(server, method, request, secret)
+                got[role, where, method] = _call(server, method, request, secret, transport)
     expected = {
         (role, where, method): (
             outcome if where == "own" or role == "admin" else "PERMISSION_DENIED"
@@ -127,7 +197,8 @@ def test_each_role_on_each_rpc_on_its_own_job_and_another(server: CoordinatorPro
     # Unknown or missing tokens are UNAUTHENTICATED, for every RPC.
     for token in (None, "member-secret-", "MEMBER-SECRET", ""):
         for method, request in _requests(OWN).items():
-            assert _call(server, method, request, token) == "UNAUTHENTICATED", (method, token)
+            outcome = _call(server, method, request, token, transport)
+            assert outcome == "UNAUTHENTICATED", (method, token)
 
 
 def test_reading_every_job_at_once_needs_the_star_pattern(server: CoordinatorProcess) -> None:
@@ -177,7 +248,13 @@ def test_sighup_reloads_the_token_file_without_dropping_calls(
 
     def first_rank() -> None:
         request = pb.JoinGroupRequest(
-            job=OWN, group="h", rank=0, world_size=2, member_id="a", timeout_ms=30_000
+            job=OWN,
+            group="h",
+            rank=0,
+            world_size=2,
+            member_id="a",
+            member_secret=secret_for("a"),
+            timeout_ms=30_000,
         )
         try:
             waiting["reply"] = stub.JoinGroup(
@@ -193,7 +270,13 @@ def test_sighup_reloads_the_token_file_without_dropping_calls(
     assert server.popen is not None
     os.kill(server.popen.pid, signal.SIGHUP)
     second = pb.JoinGroupRequest(
-        job=OWN, group="h", rank=1, world_size=2, member_id="b", timeout_ms=30_000
+        job=OWN,
+        group="h",
+        rank=1,
+        world_size=2,
+        member_id="b",
+        member_secret=secret_for("b"),
+        timeout_ms=30_000,
     )
     deadline = time.monotonic() + 10
     while (
@@ -278,7 +361,7 @@ def test_a_flooding_peer_is_rate_limited_and_the_client_waits_it_out(
     assert "RATE_LIMITED" in codes[5:]
     from rngcoord.client import CoordinatorClient, NotFoundError
 
-    with CoordinatorClient(server.address, retries=20) as client:
+    with CoordinatorClient(server.address, outage_s=30.0) as client:
         for _ in range(30):  # 1.5 s of calls at 20/s: the client waits as told
             with pytest.raises(NotFoundError):
                 client.get_group(OWN, "g")
@@ -298,6 +381,7 @@ def test_the_peer_rate_limit_refills_and_forgets_idle_hosts() -> None:
         PeerRateLimit(0, 1)
 
 
+@pytest.mark.slow
 def test_idle_connections_past_the_cap_do_not_take_the_server_down(
     coordinator_factory: CoordinatorFactory,
 ) -> None:

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from importlib import resources
 from typing import Any
@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import psycopg
 import pytest
 
-from harness import DEFAULT_POSTGRES, POSTGRES_ENV, LoopThread, gather_list
+from harness import DEFAULT_POSTGRES, POSTGRES_ENV, LoopThread, caller, gather_list, secret_for
 from rngcoord.server.coordinator import Coordinator
 from rngcoord.server.errors import StaleEpoch, Unavailable
 from rngcoord.server.postgres import PostgresStore, convert_placeholders
@@ -167,7 +167,13 @@ def test_two_replicas_serve_one_group_without_overlap(
         return await asyncio.gather(
             *(
                 replicas[rank].join(
-                    JOB, group, rank=rank, world_size=2, member_id=f"m{rank}", job_seed=42
+                    JOB,
+                    group,
+                    rank=rank,
+                    world_size=2,
+                    member_id=f"m{rank}",
+                    member_secret=secret_for(f"m{rank}"),
+                    job_seed=42,
                 )
                 for group in groups
                 for rank in (0, 1)
@@ -181,14 +187,10 @@ def test_two_replicas_serve_one_group_without_overlap(
     async def ask_all(group: str, rank: int) -> list[Lease]:
         return [
             await replicas[rank].reserve(
-                JOB,
-                group,
-                epoch=1,
+                caller(f"m{rank}", rank=rank, epoch=1, group=group, job=JOB),
                 seq=seq,
                 size=_size(seq),
                 fingerprint=FINGERPRINT,
-                rank=rank,
-                member_id=f"m{rank}",
             )
             for seq in range(seqs)
         ]
@@ -227,25 +229,41 @@ def test_fencing_holds_across_replicas(
     # through replica B. Once fenced, A must refuse, hits and grants alike, whatever A's cache
     # holds; the new epoch must start above every lease the old one got.
     a, b = _replicas(loop, [open_stores(), open_stores()])
-    loop.run(a.join(JOB, "g", rank=0, world_size=1, member_id="old", job_seed=42))
+    loop.run(
+        a.join(
+            JOB,
+            "g",
+            rank=0,
+            world_size=1,
+            member_id="old",
+            member_secret=secret_for("old"),
+            job_seed=42,
+        )
+    )
 
     def reserve(coordinator: Coordinator, member: str, epoch: int, seq: int) -> Lease:
         return loop.run(
             coordinator.reserve(
-                JOB,
-                "g",
-                epoch=epoch,
+                caller(member, rank=0, epoch=epoch, group="g", job=JOB),
                 seq=seq,
                 size=64,
                 fingerprint=FINGERPRINT,
-                rank=0,
-                member_id=member,
             )
         )
 
     granted = [reserve(a, "old", 1, seq) for seq in range(5)]
     assert reserve(a, "old", 1, 4).existing  # a hit, answered from A's memory
-    new = loop.run(b.join(JOB, "g", rank=0, world_size=1, member_id="new", job_seed=42))
+    new = loop.run(
+        b.join(
+            JOB,
+            "g",
+            rank=0,
+            world_size=1,
+            member_id="new",
+            member_secret=secret_for("new"),
+            job_seed=42,
+        )
+    )
     assert new.epoch == 2
     # A grant through A consults the store at once.
     with pytest.raises(StaleEpoch, match="the current epoch is 2"):
@@ -272,19 +290,25 @@ def test_idempotent_hits_are_readable_from_either_replica(
     open_stores: Callable[..., PostgresStore], loop: LoopThread
 ) -> None:
     a, b = _replicas(loop, [open_stores(), open_stores()])
-    loop.run(a.join(JOB, "g", rank=0, world_size=1, member_id="m0", job_seed=42))
+    loop.run(
+        a.join(
+            JOB,
+            "g",
+            rank=0,
+            world_size=1,
+            member_id="m0",
+            member_secret=secret_for("m0"),
+            job_seed=42,
+        )
+    )
 
     def reserve(coordinator: Coordinator, seq: int) -> Lease:
         return loop.run(
             coordinator.reserve(
-                JOB,
-                "g",
-                epoch=1,
+                caller("m0", rank=0, epoch=1, group="g", job=JOB),
                 seq=seq,
                 size=128,
                 fingerprint=FINGERPRINT,
-                rank=0,
-                member_id="m0",
             )
         )
 
@@ -352,6 +376,50 @@ def _add_job(name: str) -> Callable[[Tx], str]:
     return op
 
 
+def test_an_error_in_a_pipelined_batch_fails_only_its_own_operation(
+    open_stores: Callable[..., PostgresStore],
+) -> None:
+    """Writes go out pipelined, so a bad write's error surfaces at a later operation's read,
+    or at the sync before COMMIT. The batch then runs again unpipelined: the operation that
+    wrote it gets its error, and the others of the batch commit. max_attempts=1: the rerun
+    is not an attempt."""
+    store = open_stores(max_attempts=1)
+    held = threading.Event()
+
+    def hold(tx: Tx) -> None:
+        held.set()
+        time.sleep(0.3)  # the next operations queue up meanwhile: they form one batch
+
+    def bad(tx: Tx) -> str:
+        tx.write("INSERT INTO meta (name, value) VALUES ('store_id', 'another')")
+        return "bad"
+
+    def good(name: str) -> Callable[[Tx], int]:
+        def op(tx: Tx) -> int:
+            tx.write("INSERT INTO jobs (job, seed, created_us) VALUES (?, 0, 0)", (name,))
+            row = tx.fetchone("SELECT COUNT(*) FROM jobs WHERE job = ?", (name,))
+            assert row is not None
+            return int(row[0])
+
+        return op
+
+    first = store.submit(hold)
+    assert held.wait(5)
+    futures: list[Future[Any]] = [
+        store.submit(good("a")),
+        store.submit(bad),
+        store.submit(good("b")),
+    ]
+    first.result(10)
+    assert futures[0].result(10) == 1 and futures[2].result(10) == 1
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        futures[1].result(10)
+    jobs = store.read(lambda tx: tx.fetchall("SELECT job FROM jobs ORDER BY job"))
+    assert jobs == [("a",), ("b",)]
+    # And the next batch is pipelined again, and commits.
+    assert store.write(good("c")) == 1
+
+
 def test_serialization_failure_is_retried(
     db_url: str, open_stores: Callable[..., PostgresStore]
 ) -> None:
@@ -377,17 +445,21 @@ def test_serializable_replicas_grant_correctly_under_contention(
 
     async def run(index: int) -> list[Lease]:
         replica, group = replicas[index % 2], f"g{index}"
-        await replica.join(JOB, group, rank=0, world_size=1, member_id="m0", job_seed=42)
+        await replica.join(
+            JOB,
+            group,
+            rank=0,
+            world_size=1,
+            member_id="m0",
+            member_secret=secret_for("m0"),
+            job_seed=42,
+        )
         return [
             await replica.reserve(
-                JOB,
-                group,
-                epoch=1,
+                caller("m0", rank=0, epoch=1, group=group, job=JOB),
                 seq=seq,
                 size=_size(seq),
                 fingerprint=FINGERPRINT,
-                rank=0,
-                member_id="m0",
             )
             for seq in range(10)
         ]

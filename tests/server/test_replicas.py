@@ -24,6 +24,7 @@ from replica_client import FINGERPRINT, lease_size
 
 from harness import CoordinatorProcess, run_cli
 from rngcoord.client import CoordinatorClient
+from rngcoord.client.connection import adopt_member_secret
 
 pytestmark = pytest.mark.slow
 
@@ -153,9 +154,10 @@ def _check_agreement(
 
 def _check_read_back(target: str, chains: dict[str, list[dict[str, Any]]]) -> None:
     """Every lease a client received is stored: asking again returns it, as a hit."""
-    with CoordinatorClient([target], deadline_s=10, retries=2) as client:
+    with CoordinatorClient([target], deadline_s=10, outage_s=2.0) as client:
         for chain in chains.values():
             for r in chain:
+                adopt_member_secret(r["member_id"], bytes.fromhex(r["secret"]))
                 lease = client.reserve(
                     JOB,
                     r["group"],

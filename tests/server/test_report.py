@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_status import browser_missing, chromium
 
-from harness import CoordinatorProcess, join_all, run_cli
+from harness import CoordinatorProcess, join_all, run_cli, secret_for
 from rngcoord.server import queries
 from rngcoord.server.audit import Chain
 from rngcoord.server.report import MAX_BARS
@@ -41,6 +41,7 @@ def _grants(
                     fingerprint=b"f",
                     rank=rank,
                     member_id=member_id,
+                    member_secret=secret_for(member_id),
                 ),
                 timeout=10,
             )
@@ -70,6 +71,7 @@ def build_history(server: CoordinatorProcess) -> None:
                 cursor=64,
                 rank=rank,
                 member_id=members[rank],
+                member_secret=secret_for(members[rank]),
                 timeout_ms=10_000,
             ),
             timeout=20,
@@ -167,25 +169,28 @@ def test_report_renders_in_chromium(history: str, tmp_path: Path) -> None:
     assert [g["bands"] for g in seen[:2]] == [1, 1]
 
 
-def _many_grants(tx: Tx, grants: int, chain: Chain) -> None:
-    queries.insert_job(tx, "big", 1, 1_000_000)
-    queries.insert_group(tx, "big", "g", 2)
-    queries.insert_epoch(tx, "big", "g", 1, world_size=1, start=0, digest=b"", now_us=1_000_000)
+def _many_grants(
+    tx: Tx, grants: int, chain: Chain, *, job: str = "big", every_us: int = 1000
+) -> None:
+    queries.insert_job(tx, job, 1, 1_000_000)
+    queries.insert_group(tx, job, "g", 2)
+    queries.insert_epoch(tx, job, "g", 1, world_size=1, start=0, digest=b"", now_us=1_000_000)
     tx.executemany(
         'INSERT INTO leases (job, grp, epoch, seq, start, "end", size, fingerprint, rank, '
-        "member_id, created_us) VALUES ('big', 'g', 1, ?, ?, ?, ?, X'00', 0, 'm', ?)",
+        "member_id, created_us) VALUES (?, 'g', 1, ?, ?, ?, ?, X'00', 0, 'm', ?)",
         [
             (
+                job,
                 seq,
                 (seq << 10) - (1 << 63),
                 ((seq + 1) << 10) - (1 << 63),
                 1024 - (1 << 63),
-                1_000_000 + seq * 1000,
+                1_000_000 + seq * every_us,
             )
             for seq in range(grants)
         ],
     )
-    tx.execute("UPDATE groups SET high_water = ? WHERE job = 'big'", ((grants << 10) - (1 << 63),))
+    tx.execute("UPDATE groups SET high_water = ? WHERE job = ?", ((grants << 10) - (1 << 63), job))
 
 
 @pytest.mark.slow
@@ -200,3 +205,41 @@ def test_report_of_100000_grants_draws_at_most_max_bars(tmp_path: Path) -> None:
     page = out.read_text()
     assert page.count('id="g0-lease-1-') == MAX_BARS
     assert len(page) < 1_500_000
+
+
+@pytest.mark.slow
+def test_report_of_a_job_of_seconds_reads_in_seconds_with_visible_bars(tmp_path: Path) -> None:
+    reason = browser_missing()
+    if reason is not None:
+        pytest.skip(reason)
+    store = SqliteStore(tmp_path / "short.db", create=True)
+    try:
+        # 6 leases over 3 s: one every 600 ms.
+        store.write(
+            lambda tx: _many_grants(tx, 6, Chain(store.store_id), job="short", every_us=600_000)
+        )
+    finally:
+        store.close()
+    out = tmp_path / "short.html"
+    _report(f"sqlite:///{tmp_path / 'short.db'}", out, "short")
+    page = out.read_text()
+    assert "seconds since 1970-01-01 00:00:01 UTC" in page
+    driver = chromium()
+    try:
+        driver.get(out.as_uri())
+        seen = driver.execute_script(
+            """
+            const axes = document.querySelector("svg [id^='axes_']").getBoundingClientRect();
+            const bars = [...document.querySelectorAll("svg [id^='g0-lease-1-']")];
+            return {axes: axes.width,
+                    bars: bars.map(b => b.getBoundingClientRect().width),
+                    ticks: [...document.querySelectorAll("svg [id^='xtick_'] text")]
+                             .map(t => t.textContent)};
+            """
+        )
+    finally:
+        driver.quit()
+    assert len(seen["bars"]) == 6
+    # Each bar is a visible block, not a hairline, and they do not run into each other.
+    assert all(seen["axes"] / 60 < w < seen["axes"] / 6 for w in seen["bars"]), seen
+    assert {"0", "1", "2", "3"} <= set(seen["ticks"]), seen["ticks"]

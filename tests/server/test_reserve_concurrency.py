@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from harness import CoordinatorFactory, join_all
+from harness import CoordinatorFactory, join_all, secret_for
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -56,6 +56,7 @@ def run_rank(address: str, rank: int) -> dict[str, list[Seen]]:
                     rank=rank,
                     world_size=WORLD,
                     member_id=_member(rank),
+                    member_secret=secret_for(_member(rank)),
                     job_seed=2024,
                     timeout_ms=60_000,
                 ),
@@ -75,6 +76,7 @@ def run_rank(address: str, rank: int) -> dict[str, list[Seen]]:
                         fingerprint=_fingerprint(group, seq),
                         rank=rank,
                         member_id=_member(rank),
+                        member_secret=secret_for(_member(rank)),
                     ),
                     timeout=30,
                 )
@@ -147,6 +149,7 @@ def test_replayed_requests_return_the_same_lease_without_a_new_grant(
                 fingerprint=_fingerprint(group, seq),
                 rank=rank,
                 member_id=members[rank],
+                member_secret=secret_for(members[rank]),
             ),
             timeout=30,
         )

@@ -11,11 +11,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+from typing import Any
 
 import grpc
 import pytest
 
-from harness import CoordinatorProcess, join_all
+from harness import CoordinatorProcess, join_all, secret_for
+from rngcoord.server.resizes import MAX_PER_EPOCH
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -49,6 +51,7 @@ def _reserve(
             fingerprint=fingerprint,
             rank=rank,
             member_id=member,
+            member_secret=secret_for(member),
         ),
         timeout=10,
     )
@@ -93,7 +96,14 @@ def test_restore_and_leave(coordinator: CoordinatorProcess) -> None:
         _reserve(stub, "dp", seq, a)
     votes = [
         pb.RestoreRequest(
-            job=JOB, group="dp", epoch=1, seq=2, cursor=256, rank=rank, member_id=member
+            job=JOB,
+            group="dp",
+            epoch=1,
+            seq=2,
+            cursor=256,
+            rank=rank,
+            member_id=member,
+            member_secret=secret_for(member),
         )
         for rank, member in enumerate((a, b))
     ]
@@ -106,13 +116,24 @@ def test_restore_and_leave(coordinator: CoordinatorProcess) -> None:
     assert _reserve(stub, "dp", 3, a).lease.start == 512
     granted = _refused(
         stub.Restore,
-        pb.RestoreRequest(job=JOB, group="dp", epoch=1, seq=1, cursor=0, rank=0, member_id=a),
+        pb.RestoreRequest(
+            job=JOB,
+            group="dp",
+            epoch=1,
+            seq=1,
+            cursor=0,
+            rank=0,
+            member_id=a,
+            member_secret=secret_for(a),
+        ),
         timeout=10,
     )
     assert granted.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "already granted" in (granted.details() or "")
 
-    leave = pb.LeaveGroupRequest(job=JOB, group="dp", epoch=1, rank=1, member_id=b)
+    leave = pb.LeaveGroupRequest(
+        job=JOB, group="dp", epoch=1, rank=1, member_id=b, member_secret=secret_for(b)
+    )
     assert stub.LeaveGroup(leave, timeout=10) == pb.LeaveGroupResponse()
     info = stub.GetGroup(pb.GetGroupRequest(job=JOB, group="dp"), timeout=10)
     assert list(info.members) == [a, ""]
@@ -120,6 +141,85 @@ def test_restore_and_leave(coordinator: CoordinatorProcess) -> None:
     left = _refused(_reserve, stub, "dp", 4, b, rank=1)
     assert left.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert _reserve(stub, "dp", 4, a).lease.start == 768
+
+
+def test_record_resize_is_audited_once_and_refuses_bad_input(
+    coordinator: CoordinatorProcess,
+) -> None:
+    stub = coordinator.stub()
+    a, b = join_all(stub, JOB, "tp:2[0-1]", 2)[0].members
+
+    def record(member: str, rank: int, **fields: object) -> pb.RecordResizeResponse:
+        request: dict[str, Any] = dict(
+            job=JOB,
+            group="tp:2[0-1]",
+            epoch=1,
+            saved_group="tp:4[0-3]",
+            saved_cursor=2**64 - 4,
+            rank=rank,
+            member_id=member,
+            member_secret=secret_for(member),
+        )
+        request.update(fields)
+        reply: pb.RecordResizeResponse = stub.RecordResize(
+            pb.RecordResizeRequest(**request), timeout=10
+        )
+        return reply
+
+    assert not record(a, 0).existing
+    assert record(b, 1).existing  # a retry, or another rank: still one record
+    records = list(stub.ListAudit(pb.ListAuditRequest(job=JOB, kinds=["resize"]), timeout=10))
+    assert [json.loads(r.detail) for r in records] == [
+        {"epoch": 1, "rank": 0, "saved_cursor": 2**64 - 4, "saved_group": "tp:4[0-3]"}
+    ]
+    for fields, field in (
+        ({"saved_group": "tp:2[0-1]"}, "saved_group"),
+        ({"saved_group": "no spaces"}, "saved_group"),
+        ({"saved_cursor": 6}, "saved_cursor"),
+    ):
+        error = _refused(record, a, 0, **fields)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, fields
+        assert field in (error.details() or ""), error.details()
+    assert _refused(record, a, 0, epoch=2).code() == grpc.StatusCode.NOT_FOUND
+    join_all(stub, JOB, "tp:2[0-1]", 2)  # epoch 2: epoch 1's members are fenced
+    stale = _refused(record, a, 0)
+    assert stale.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "stale" in (stale.details() or "")
+    assert (
+        len(list(stub.ListAudit(pb.ListAuditRequest(job=JOB, kinds=["resize"]), timeout=10))) == 1
+    )
+
+
+def test_one_member_cannot_grow_the_log_with_resizes(coordinator: CoordinatorProcess) -> None:
+    """A member's valid credential naming ever new saved groups: MAX_PER_EPOCH records, then
+    INVALID_ARGUMENT; a repeat of a recorded one is still answered."""
+    stub = coordinator.stub()
+    (member,) = join_all(stub, JOB, "cap", 1)[0].members
+
+    def record(saved_group: str) -> pb.RecordResizeResponse:
+        reply: pb.RecordResizeResponse = stub.RecordResize(
+            pb.RecordResizeRequest(
+                job=JOB,
+                group="cap",
+                epoch=1,
+                saved_group=saved_group,
+                saved_cursor=64,
+                rank=0,
+                member_id=member,
+                member_secret=secret_for(member),
+            ),
+            timeout=10,
+        )
+        return reply
+
+    for i in range(MAX_PER_EPOCH):
+        assert not record(f"tp:4[{4 * i}-{4 * i + 3}]").existing
+    full = _refused(record, "tp:8[0-7]")
+    assert full.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"already records {MAX_PER_EPOCH} resizes" in (full.details() or "")
+    assert record("tp:4[0-3]").existing
+    records = list(stub.ListAudit(pb.ListAuditRequest(job=JOB, kinds=["resize"]), timeout=10))
+    assert len(records) == MAX_PER_EPOCH
 
 
 def test_list_audit_streams_the_chain_with_filters(coordinator: CoordinatorProcess) -> None:
@@ -177,9 +277,10 @@ def test_divergence_fencing_seed_conflict_and_join_timeout_codes(
         assert part in message, message
     kinds = [r.kind for r in stub.ListAudit(pb.ListAuditRequest(job=JOB, kinds=["divergence"]))]
     assert kinds == ["divergence"]
-    # The epoch stays diverged for every later lease.
+    # The epoch stays diverged for every later lease; each rank is told who disagrees with it.
     later = _refused(_reserve, stub, "tp", 1, a)
-    assert later.code() == grpc.StatusCode.FAILED_PRECONDITION and later.details() == message
+    assert later.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert later.details() == message.replace("with rank 1: rank 0.", "with rank 0: rank 1.")
 
     # Rejoining forms epoch 2 and fences epoch 1.
     join_all(stub, JOB, "tp", 2)
@@ -189,7 +290,15 @@ def test_divergence_fencing_seed_conflict_and_join_timeout_codes(
 
     conflict = _refused(
         stub.JoinGroup,
-        pb.JoinGroupRequest(job=JOB, group="x", rank=0, world_size=1, member_id="z", job_seed=12),
+        pb.JoinGroupRequest(
+            job=JOB,
+            group="x",
+            rank=0,
+            world_size=1,
+            member_id="z",
+            member_secret=secret_for("z"),
+            job_seed=12,
+        ),
         timeout=10,
     )
     assert conflict.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -198,7 +307,13 @@ def test_divergence_fencing_seed_conflict_and_join_timeout_codes(
     timeout = _refused(
         stub.JoinGroup,
         pb.JoinGroupRequest(
-            job=JOB, group="late", rank=1, world_size=4, member_id="l1", timeout_ms=300
+            job=JOB,
+            group="late",
+            rank=1,
+            world_size=4,
+            member_id="l1",
+            member_secret=secret_for("l1"),
+            timeout_ms=300,
         ),
         timeout=10,
     )

@@ -125,6 +125,9 @@ def test_migrations_apply_once(tmp_path: Path) -> None:
         (2, "002_members_by_rank"),
         (3, "003_integrity"),
         (4, "004_attestations"),
+        (5, "005_member_credentials"),
+        (6, "006_launches"),
+        (7, "007_resizes"),
     ]
     head = store.read(lambda tx: tx.fetchone("SELECT last_id, last_hash FROM audit_head"))
     assert head == (0, "0" * 64)

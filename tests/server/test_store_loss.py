@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness import CoordinatorFactory, CoordinatorProcess, run_cli
+from harness import CoordinatorFactory, CoordinatorProcess, run_cli, secret_for
 from rngcoord.client import (
     CoordinatorClient,
     LeaseManager,
@@ -54,17 +54,30 @@ def _manager(client: CoordinatorClient, group: str = "g") -> LeaseManager:
     )
 
 
+@pytest.mark.slow
 def test_a_deleted_store_turns_the_server_away_and_a_restart_needs_init(
     coordinator_factory: CoordinatorFactory, tmp_path: Path
 ) -> None:
     db = tmp_path / "lost.db"
     server = coordinator_factory(f"sqlite:///{db}")
     stub = server.stub()
-    stub.JoinGroup(pb.JoinGroupRequest(job=JOB, group="g", rank=0, world_size=1, member_id="m"))
+    stub.JoinGroup(
+        pb.JoinGroupRequest(
+            job=JOB, group="g", rank=0, world_size=1, member_id="m", member_secret=secret_for("m")
+        )
+    )
 
     def reserve(seq: int) -> pb.ReserveResponse:
         request = pb.ReserveRequest(
-            job=JOB, group="g", epoch=1, seq=seq, size=64, fingerprint=b"f", rank=0, member_id="m"
+            job=JOB,
+            group="g",
+            epoch=1,
+            seq=seq,
+            size=64,
+            fingerprint=b"f",
+            rank=0,
+            member_id="m",
+            member_secret=secret_for("m"),
         )
         reply: pb.ReserveResponse = stub.Reserve(request, timeout=10)
         return reply
@@ -96,12 +109,13 @@ def test_a_relative_default_path_from_another_directory_is_refused(tmp_path: Pat
     assert not (elsewhere / "rngcoord.db").exists()
 
 
+@pytest.mark.slow
 def test_a_client_meeting_a_new_empty_store_stops_and_never_reuses_offsets(
     coordinator_factory: CoordinatorFactory, tmp_path: Path
 ) -> None:
     db = tmp_path / "first.db"
     server = coordinator_factory(f"sqlite:///{db}")
-    client = CoordinatorClient(server.address, retries=8, backoff_s=0.1)
+    client = CoordinatorClient(server.address, outage_s=10.0, backoff_s=0.1)
     manager = _manager(client)
     first_store = client.store_id
     assert first_store and manager.advance(32, b"a") == 0
@@ -131,6 +145,7 @@ def test_a_client_meeting_a_new_empty_store_stops_and_never_reuses_offsets(
     assert "no audit records match" in listed.stdout
 
 
+@pytest.mark.slow
 def test_floors_from_an_export_keep_a_new_store_above_the_lost_one(
     coordinator_factory: CoordinatorFactory, tmp_path: Path
 ) -> None:
@@ -173,13 +188,25 @@ def test_a_dropped_postgresql_schema_turns_the_server_away(
     url = postgres_url_factory()  # type: ignore[operator]
     server = coordinator_factory(url)
     stub = server.stub()
-    stub.JoinGroup(pb.JoinGroupRequest(job=JOB, group="g", rank=0, world_size=1, member_id="m"))
+    stub.JoinGroup(
+        pb.JoinGroupRequest(
+            job=JOB, group="g", rank=0, world_size=1, member_id="m", member_secret=secret_for("m")
+        )
+    )
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("DROP SCHEMA public CASCADE")
         conn.execute("CREATE SCHEMA public")
     _wait(lambda: server.health() == "NOT_SERVING", 5, "health NOT_SERVING")
     request = pb.ReserveRequest(
-        job=JOB, group="g", epoch=1, seq=0, size=64, fingerprint=b"f", rank=0, member_id="m"
+        job=JOB,
+        group="g",
+        epoch=1,
+        seq=0,
+        size=64,
+        fingerprint=b"f",
+        rank=0,
+        member_id="m",
+        member_secret=secret_for("m"),
     )
     with pytest.raises(grpc.RpcError) as refused:
         stub.Reserve(request, timeout=10)
@@ -216,23 +243,25 @@ def test_fuzzed_requests_leave_a_serving_server_and_a_clean_store(
     )
     def fuzz(fields: dict[str, Any], raw: bytes, method: str) -> None:
         f = fields
+        secret = secret_for(f["member_id"])
         requests = {
             "JoinGroup": pb.JoinGroupRequest(
                 job=f["job"], group=f["group"], rank=f["rank"], world_size=f["rank"],
-                member_id=f["member_id"], timeout_ms=50,
+                member_id=f["member_id"], member_secret=secret, timeout_ms=50,
             ),
             "Reserve": pb.ReserveRequest(
                 job=f["job"], group=f["group"], epoch=f["epoch"], seq=f["seq"], size=f["size"],
                 fingerprint=f["fingerprint"], rank=f["rank"], member_id=f["member_id"],
+                member_secret=secret,
             ),
             "LeaveGroup": pb.LeaveGroupRequest(
                 job=f["job"], group=f["group"], epoch=f["epoch"], rank=f["rank"],
-                member_id=f["member_id"],
+                member_id=f["member_id"], member_secret=secret,
             ),
             "GetGroup": pb.GetGroupRequest(job=f["job"], group=f["group"]),
             "Restore": pb.RestoreRequest(
                 job=f["job"], group=f["group"], epoch=f["epoch"], seq=f["seq"], cursor=f["size"],
-                rank=f["rank"], member_id=f["member_id"], timeout_ms=50,
+                rank=f["rank"], member_id=f["member_id"], member_secret=secret, timeout_ms=50,
             ),
         }  # fmt: skip
         for payload in (requests[method], raw):

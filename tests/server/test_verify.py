@@ -25,12 +25,14 @@ from harness import (
     ManualClock,
     form,
     records,
+    rehash_from,
     reserve,
 )
 from rngcoord.server import audit
+from rngcoord.server.anchors import read_anchors
 from rngcoord.server.sqlite import SqliteStore
 from rngcoord.server.store import Tx, to_db
-from rngcoord.server.verify import read_anchors, verify
+from rngcoord.server.verify import verify
 
 KEY = bytes(range(32))
 
@@ -72,22 +74,6 @@ def audit_head(tx: Tx) -> tuple[int, str]:
     row = tx.fetchone("SELECT last_id, last_hash FROM audit_head")
     assert row is not None
     return int(row[0]), str(row[1])
-
-
-def rehash_from(raw: sqlite3.Connection, first: int) -> None:
-    """Recompute every hash from record `first` on with plain SHA-256 and fix audit_head, as a
-    forger without the key would."""
-    chain = audit.Chain("ignored")  # unkeyed: the forger has no key
-    prev = raw.execute("SELECT hash FROM audit WHERE id = ?", (first - 1,)).fetchone()[0]
-    rows = raw.execute(
-        "SELECT id, ts_us, job, grp, kind, actor, detail FROM audit WHERE id >= ? ORDER BY id",
-        (first,),
-    ).fetchall()
-    for rid, ts, job, grp, kind, actor, detail in rows:
-        digest = chain.digest(rid, ts, job, grp, kind, actor, detail, prev)
-        raw.execute("UPDATE audit SET prev_hash = ?, hash = ? WHERE id = ?", (prev, digest, rid))
-        prev = digest
-    raw.execute("UPDATE audit_head SET last_id = ?, last_hash = ?", (rows[-1][0], prev))
 
 
 def test_verify_passes_on_a_healthy_keyed_store(h: InProcess) -> None:
@@ -256,7 +242,7 @@ def test_a_changed_job_seed_is_named(h: InProcess, db: Path) -> None:
 def test_a_lease_inserted_by_hand_is_named(h: InProcess, db: Path) -> None:
     with sqlite3.connect(db) as raw:
         raw.execute(
-            "INSERT INTO leases VALUES (?, 'g', 1, 9, ?, ?, ?, x'00', 0, 'm0', 0)",
+            "INSERT INTO leases VALUES (?, 'g', 1, 9, ?, ?, ?, x'00', 0, 'm0', 0, '', '')",
             (TEST_JOB, to_db(32), to_db(96), to_db(64)),
         )
     assert verify(h.store, key=KEY).problems == [
@@ -267,7 +253,7 @@ def test_a_lease_inserted_by_hand_is_named(h: InProcess, db: Path) -> None:
 def test_an_overlapping_grant_is_named_even_with_a_valid_chain(h: InProcess) -> None:
     def forge(tx: Tx) -> int:
         tx.execute(
-            "INSERT INTO leases VALUES (?, 'g', 1, 3, ?, ?, ?, x'00', 0, 'm0', 0)",
+            "INSERT INTO leases VALUES (?, 'g', 1, 3, ?, ?, ?, x'00', 0, 'm0', 0, '', '')",
             (TEST_JOB, to_db(32), to_db(96), to_db(64)),
         )
         detail = {"epoch": 1, "seq": 3, "start": 32, "end": 96, "size": 64}

@@ -97,6 +97,8 @@ class JobSpec:
             Default False: a restart starts over at step 1 on fresh numbers.
         checkpoint_every: checkpoint after every this many steps. Default 2.
         policy: the tracker policy (train_tp.py --policy). Default "offsets".
+        step_seconds: each step sleeps this long, standing in for compute (train_tp.py
+            --step-seconds). Default 0.0.
     """
 
     job: str
@@ -108,6 +110,7 @@ class JobSpec:
     resume: bool = False
     checkpoint_every: int = 2
     policy: str = "offsets"
+    step_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,8 @@ def torchrun_command(spec: JobSpec, workdir: Path) -> list[str]:
         cmd.append(f"--fail-at-step={spec.fail_at_step}")
     if spec.resume:
         cmd.append("--resume")
+    if spec.step_seconds:
+        cmd.append(f"--step-seconds={spec.step_seconds}")
     return cmd
 
 
@@ -391,6 +396,9 @@ def check_fenced(
                 fingerprint=b"leftover",
                 rank=member.rank,
                 member_id=member.member_id,
+                # The old process and its secret are gone; fencing refuses before the
+                # credential is compared, so any well-formed secret probes it.
+                member_secret=secrets.token_bytes(32),
             )
             try:
                 lease = stub.Reserve(request, metadata=_metadata(token), timeout=10).lease

@@ -49,7 +49,8 @@ def refused(violation: RuleViolation) -> InvalidRequest:
 
 
 class CoordinatorUnavailable(RNGCoordError):
-    """No coordinator target answered within the bounded retries."""
+    """No coordinator target answered within the outage budget (or install()'s first-contact
+    bound); the message says since when, which targets were tried and how to raise it."""
 
 
 class InvalidRequest(RNGCoordError):

@@ -17,11 +17,15 @@ sub-mesh's ops never move another group's cursor.
   its copy ``[0, 1]`` lies along ``dp``, a replicate dim, so both are the group
   ``tp:2[0-3]`` and rank 2 draws what rank 0 draws: a TP weight is equal on every dp replica.
 - dp x pp x tp root ``(2, 2, 2)``: ``root["tp"]`` on rank 5 (dp 1, pp 0, tp 1) is ``[4, 5]``; its
-  copies along ``dp`` join it, those along ``pp`` do not: the group is ``tp:2[0.1.4.5]``,
-  and stage pp=1 draws from ``tp:2[2.3.6.7]``.
+  copies along ``dp`` join it, those along ``pp`` do not: the group is ``tp:2[0-1.4-5]``,
+  and stage pp=1 draws from ``tp:2[2-3.6-7]``.
 - HSDP ``("dp_replicate", "dp_shard", "tp")``: every dim replicates, so ``root["tp"]`` is one
   group over all 8 ranks and ``root["dp_replicate", "dp_shard"]`` another: FSDP-sharded TP
   weights match upstream's layout.
+
+Which policy drew a group shows in its name: ``sharding_invariant`` streams are named
+``invariant`` or ``invariant[<split dims>]`` (:func:`invariant_group`), and no mesh's name has
+that form, since a mesh's name always gives its dims as ``name:size`` (:func:`policy_of`).
 
 Names are readable where they can be and satisfy the contract's name rule
 (:data:`rngcoord.v1.rules.NAME_PATTERN`), falling back to a digest when the readable form is
@@ -33,6 +37,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -63,16 +68,15 @@ class GroupSpec:
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:
-    """Ranks in order, with runs of consecutive ranks written ``a-b``: ``0-3``, ``0.2``."""
+    """Ranks in order, ``.``-separated, each run of consecutive ranks written ``a-b``: ``0-3``,
+    ``0-1.4-5``, ``0.2``. One form for every run, so a 2-rank group reads like a 4-rank one."""
     parts: list[str] = []
     i = 0
     while i < len(ranks):
         j = i
         while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
             j += 1
-        parts.append(
-            f"{ranks[i]}-{ranks[j]}" if j > i + 1 else ".".join(map(str, ranks[i : j + 1]))
-        )
+        parts.append(f"{ranks[i]}-{ranks[j]}" if j > i else str(ranks[i]))
         i = j + 1
     return ".".join(parts)
 
@@ -83,7 +87,7 @@ def group_name(dim_names: Sequence[str] | None, shape: Sequence[int], ranks: Seq
     >>> group_name(("dp", "tp"), (2, 2), [0, 1, 2, 3])
     'dp:2,tp:2[0-3]'
     >>> group_name(("tp",), (2,), [2, 3])
-    'tp:2[2.3]'
+    'tp:2[2-3]'
     >>> group_name(None, (4,), [0, 2, 4, 6])
     'd0:4[0.2.4.6]'
 
@@ -214,3 +218,42 @@ def invariant_group(
     suffix = ",".join(f"{names[d]}:{int(mine[d])}" for d in split)
     name = f"invariant[{suffix}]" if suffix else "invariant"
     return GroupSpec(name=name, rank=bisect.bisect_left(ranks, global_rank), world_size=len(ranks))
+
+
+_INVARIANT_NAME = re.compile(r"invariant(\[[^\]]*\])?(/seed:\d+)?")
+_MESH_NAME = re.compile(r"(?:all@)?(?P<dims>[^\[]*)\[(?P<ranks>[0-9.\-]+)\](?:/seed:\d+)?")
+
+
+def policy_of(name: str) -> str:
+    """The policy whose streams have group name ``name``: ``"sharding_invariant"`` for
+    :func:`invariant_group`'s names (scoped by manual_seed or not), ``"offsets"`` otherwise.
+
+    >>> policy_of("invariant"), policy_of("invariant[pp:1]/seed:5"), policy_of("tp:2[0-1]")
+    ('sharding_invariant', 'sharding_invariant', 'offsets')
+    """
+    return "sharding_invariant" if _INVARIANT_NAME.fullmatch(name) else "offsets"
+
+
+def mesh_of_name(name: str) -> tuple[tuple[str, ...], tuple[int, ...], list[int]] | None:
+    """The dim names, shape and ranks of an offsets-policy group name, or None where the name
+    does not give them (a digest, an invariant stream).
+
+    >>> mesh_of_name("dp:2,tp:2[0-3]")
+    (('dp', 'tp'), (2, 2), [0, 1, 2, 3])
+    >>> mesh_of_name("tp:2[0-1]/seed:7")
+    (('tp',), (2,), [0, 1])
+    """
+    match = _MESH_NAME.fullmatch(name)
+    if match is None:
+        return None
+    try:
+        dims = [part.rsplit(":", 1) for part in match["dims"].split(",")]
+        names = tuple(d for d, _ in dims)
+        shape = tuple(int(n) for _, n in dims)
+        ranks: list[int] = []
+        for part in match["ranks"].split("."):
+            first, _, last = part.partition("-")
+            ranks.extend(range(int(first), int(last or first) + 1))
+    except ValueError:
+        return None
+    return names, shape, ranks

@@ -12,9 +12,16 @@ the whole tensor, or one shard of it, exactly as the ranks drew it::
         --op dropout --shape 8,64 --arg p=0.25 -o mask.pt
 
 The cursor is the group's cursor before the op (``tracker.get_offset(group)``, or the sum of
-the earlier ops' sizes). Values drawn under the default ``offsets`` policy come from the
-device's own generator and cannot be regenerated off the device; replay refuses nothing about
-them, but only the portable values are what it writes.
+the earlier ops' sizes). A per-op trace (``install(trace=PATH)``; ``train_tp --record-masks``
+writes one per rank) gives it, with the group, shape, dtype and op, for any op of the run::
+
+    rngcoord replay audit.jsonl --job run-42 --trace trace.jsonl --op-index 5 --arg p=0.25
+
+Only groups drawn under the ``sharding_invariant`` policy can be replayed: values drawn under
+the default ``offsets`` policy come from the device's own generator, at offsets that depend
+on the mesh, and cannot be regenerated off the device. The policy shows in the group's name
+(:func:`rngcoord.client.groups.policy_of`: ``invariant`` or ``invariant[pp:1]``), and in
+the trace; replay refuses other groups, naming their policy.
 
 It reads no store and needs no coordinator: only the export and torch.
 """
@@ -33,6 +40,8 @@ from typing import Any
 import torch
 
 from rngcoord.client import portable
+from rngcoord.client.groups import policy_of
+from rngcoord.client.trace import read_trace
 
 _DTYPES = {
     "float32": torch.float32,
@@ -71,10 +80,16 @@ def _records(lines: Iterable[str]) -> Iterable[dict[str, Any]]:
 
 def group_facts(lines: Iterable[str], job: str, group: str) -> tuple[int, list[Grant]]:
     """The group's seed and its grants, from an audit export."""
+    _check_policy(group, "the group")
     seed = None
     grants = []
+    groups: set[str] = set()
     for record in _records(lines):
-        if record.get("job") != job or record.get("group") != group:
+        if record.get("job") != job:
+            continue
+        if record.get("group"):
+            groups.add(record["group"])
+        if record.get("group") != group:
             continue
         detail = record.get("detail") or {}
         if record["kind"] == "group":
@@ -91,11 +106,83 @@ def group_facts(lines: Iterable[str], job: str, group: str) -> tuple[int, list[G
                 )
             )
     if seed is None:
+        if not groups:
+            raise ValueError(f"the export has no record of job {job!r}: wrong job or export")
+        invariant = sorted(g for g in groups if policy_of(g) == "sharding_invariant")
+        if group not in groups and not invariant:
+            raise ValueError(
+                f"job {job!r} has no sharding_invariant group: its groups "
+                f"({', '.join(sorted(groups))}) were drawn under the offsets policy, whose "
+                "values come from the device's generator and cannot be replayed; run the job "
+                'with install(policy="sharding_invariant") to replay its ops'
+            )
+        if group not in groups:
+            raise ValueError(
+                f"job {job!r} has no group {group!r} in the export; its sharding_invariant "
+                f"groups: {', '.join(invariant)}"
+            )
         raise ValueError(
-            f"the export has no 'group' record of job {job!r} group {group!r}: export the "
-            "whole job (rngcoord audit --json --job JOB), not a time window"
+            f"the export has records of job {job!r} group {group!r} but not its 'group' "
+            "record (its seed): export the whole job (rngcoord audit --json --job JOB), not "
+            "a time window"
         )
     return seed, grants
+
+
+def _check_policy(group: str, where: str) -> None:
+    policy = policy_of(group)
+    if policy != "sharding_invariant":
+        raise ValueError(
+            f"{where} {group!r} was drawn under the {policy} policy: its values come from the "
+            "device's generator at mesh-dependent offsets and cannot be replayed; only "
+            'sharding_invariant groups can (install(policy="sharding_invariant"))'
+        )
+
+
+@dataclass(frozen=True)
+class TracedOp:
+    """One op of a trace (install(trace=PATH))."""
+
+    group: str
+    cursor: int
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    args: dict[str, Any]
+
+
+def traced_op(text: str, index: int) -> TracedOp:
+    """Op ``index`` of a trace file's text."""
+    records = read_trace(text)
+    found = [r for r in records if r["op_index"] == index]
+    if not found:
+        raise ValueError(f"the trace has no op {index} (ops 0 to {len(records) - 1})")
+    record = found[0]
+    policy = record.get("policy", "offsets")
+    if policy != "sharding_invariant":
+        raise ValueError(
+            f"op {index} of the trace was drawn under the {policy} policy (group "
+            f"{record['group']!r}): its values come from the device's generator at "
+            "mesh-dependent offsets and cannot be replayed; only sharding_invariant ops can "
+            '(install(policy="sharding_invariant"))'
+        )
+    op = str(record["op"])
+    # "aten.native_dropout.default" -> "native_dropout"
+    parts = op.split(".")
+    if len(parts) == 3 and parts[0] == "aten":
+        op = parts[1]
+    elif op.startswith("torch."):
+        op = op.removeprefix("torch.")
+    if record["dtype"] not in _DTYPES:
+        raise ValueError(f"op {index} of the trace has dtype {record['dtype']!r}")
+    return TracedOp(
+        str(record["group"]),
+        int(record["cursor"]),
+        op,
+        tuple(int(n) for n in record["shape"]),
+        str(record["dtype"]),
+        dict(record.get("args") or {}),
+    )
 
 
 def covering(grants: Sequence[Grant], start: int, end: int) -> list[Grant]:
@@ -119,23 +206,27 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("export", type=Path, help="the audit export, JSON lines ('-': stdin)")
     parser.add_argument("--job", required=True, help="the job")
-    parser.add_argument("--group", default="invariant", help="the group (default: invariant)")
     parser.add_argument(
-        "--cursor", type=int, required=True, help="the group's cursor before the op"
+        "--trace",
+        type=Path,
+        help="a rank's per-op trace (install(trace=PATH)): the op's group, cursor, op, shape "
+        "and dtype come from its --op-index line",
     )
+    parser.add_argument("--op-index", type=int, help="the op of --trace, from 0")
+    parser.add_argument("--group", help="the group (default: invariant, or the trace's)")
+    parser.add_argument("--cursor", type=int, help="the group's cursor before the op")
     parser.add_argument(
         "--op",
-        required=True,
         help=f"the op: {', '.join(sorted(portable.SUPPORTED_OPS))}",
     )
-    parser.add_argument("--shape", required=True, help="the global shape, e.g. 8,64")
-    parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    parser.add_argument("--shape", help="the global shape, e.g. 8,64")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), help="default: float32")
     parser.add_argument(
         "--arg",
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="an argument of the op, e.g. p=0.25 or from=-1; repeatable",
+        help="an argument of the op, e.g. p=0.25 or from=-1, over the trace's; repeatable",
     )
     parser.add_argument(
         "--ranges",
@@ -143,7 +234,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "(default: all of it)",
     )
     parser.add_argument("-o", "--output", type=Path, help="write the tensor here (torch.save)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if (args.trace is None) != (args.op_index is None):
+        parser.error("--trace and --op-index go together")
+    if args.trace is None:
+        missing = [f"--{n}" for n in ("cursor", "op", "shape") if getattr(args, n) is None]
+        if missing:
+            parser.error(f"{', '.join(missing)} required (or --trace FILE --op-index N)")
+    return args
 
 
 def _number(text: str) -> float | int:
@@ -157,8 +255,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``rngcoord replay``; returns the exit status (2: bad input or not granted)."""
     args = _parse_args(argv)
     try:
+        if args.trace is not None:
+            traced = traced_op(args.trace.read_text(), args.op_index)
+            if args.group is not None and args.group != traced.group:
+                raise ValueError(f"op {args.op_index} of the trace is of group {traced.group!r}")
+            args.group, args.cursor, args.op = traced.group, traced.cursor, traced.op
+            args.shape = ",".join(map(str, traced.shape))
+            args.dtype = args.dtype or traced.dtype
+        args.group = args.group or "invariant"
+        args.dtype = args.dtype or "float32"
         shape = tuple(int(n) for n in args.shape.split(",") if n)
-        op_args = {}
+        op_args: dict[str, Any] = dict(traced.args) if args.trace is not None else {}
         for item in args.arg:
             name, sep, value = item.partition("=")
             if not sep:

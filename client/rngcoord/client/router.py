@@ -14,9 +14,18 @@ on no tracker module.
 
 While a tracker is registered, two more of DTensor's entry points lead to it:
 
-- ``torch.distributed.tensor._random.manual_seed`` is replaced by :func:`manual_seed` (callers
-  that look it up on the module at call time see it; a name imported before install() keeps
-  upstream's function, which only reseeds the device generator, so DTensor draws ignore it).
+- ``torch.distributed.tensor._random.manual_seed`` leads to :func:`manual_seed`, however the
+  caller found it: the code of upstream's function object is swapped for a trampoline
+  (``__code__``), so a name imported before install() (``from
+  torch.distributed.tensor._random import manual_seed``, as upstream's own tests do) takes
+  rngcoord's meaning too. Replacing the module attribute would miss
+  those names, and walking the referrers of the function would miss closures and copies;
+  every name is bound to the one function object, whose code is the one thing they share.
+  The original code is restored when the last tracker leaves.
+- ``torch.distributed.tensor._dispatch.run_dtensor_rng_op`` (DTensor's CUDA path) is
+  replaced by :func:`run_dtensor_rng_op`: while DTensor's dispatch is traced, it runs the op
+  in the traced region the tracker left (rngcoord.client.traced), so that the graph draws
+  from the leases; otherwise it is upstream's higher-order op.
 - ``exponential_``, ``log_normal_``, ``geometric_`` and ``cauchy_`` are not among DTensor's
   random ops: DTensor runs them on each local shard with the device generator as it stands,
   so shards repeat. Adding them to ``OpDispatcher._random_ops`` does not help, because the
@@ -29,6 +38,7 @@ While a tracker is registered, two more of DTensor's entry points lead to it:
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 import types
@@ -40,12 +50,15 @@ import torch.distributed as dist
 import torch.distributed.tensor._random as dtensor_random
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import _dispatch as dtensor_dispatch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial
 
+from rngcoord.client import traced
 from rngcoord.client.compiling import not_compiled
 from rngcoord.client.errors import RNGCoordError
 
+logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 
 
@@ -123,7 +136,18 @@ class TrackerRouter(dtensor_random.OffsetBasedRNGTracker):
         return self.tracker().hop_offsets(spec, sys._getframe(1))
 
 
-_upstream_manual_seed = dtensor_random.manual_seed
+_upstream_function = dtensor_random.manual_seed
+_upstream_code = _upstream_function.__code__
+#: Upstream's manual_seed with its original code, whatever the function object runs now.
+_upstream_manual_seed = types.FunctionType(
+    _upstream_code,
+    _upstream_function.__globals__,
+    _upstream_function.__name__,
+    _upstream_function.__defaults__,
+    _upstream_function.__closure__,
+)
+_upstream_manual_seed.__kwdefaults__ = _upstream_function.__kwdefaults__
+_upstream_hop = dtensor_dispatch.run_dtensor_rng_op  # type: ignore[attr-defined]
 _aten = torch.ops.aten
 #: In-place distributions DTensor does not treat as random ops (see the module docstring).
 EXTRA_RANDOM_OPS = (
@@ -134,16 +158,67 @@ EXTRA_RANDOM_OPS = (
 )
 
 
+@not_compiled
 def manual_seed(seed: int, device_mesh: DeviceMesh) -> None:
     """``torch.distributed.tensor._random.manual_seed`` while rngcoord is installed: the
-    calling rank's tracker handles it (an audited restart of its streams with the job's seed;
-    see :meth:`rngcoord.client.OffsetBasedRNGTracker.manual_seed`). Ranks without a tracker
-    get upstream's."""
+    calling rank's tracker handles it (the streams of the seed's base, from their start; see
+    :meth:`rngcoord.client.OffsetBasedRNGTracker.manual_seed`). Ranks without a tracker get
+    upstream's."""
     router = dtensor_random._rng_tracker
     if isinstance(router, TrackerRouter) and dist.get_rank() in router._trackers:
         router.tracker().manual_seed(seed, device_mesh)
     else:
         _upstream_manual_seed(seed, device_mesh)
+
+
+def _trampoline(seed: int, device_mesh: DeviceMesh) -> None:
+    # This code runs as upstream's function, with upstream's module globals: it may only
+    # import what it needs, and its parameters are upstream's (callers pass them by name).
+    from rngcoord.client.router import manual_seed as routed
+
+    routed(seed, device_mesh)
+
+
+def _code_swappable() -> bool:
+    """Whether upstream's manual_seed can run the trampoline's code: same parameters, and
+    no closure cells (a code object's free variables must match the function's)."""
+    mine, theirs = _trampoline.__code__, _upstream_code
+    return (
+        not theirs.co_freevars
+        and theirs.co_argcount == mine.co_argcount
+        and theirs.co_kwonlyargcount == mine.co_kwonlyargcount == 0
+        and theirs.co_varnames[: theirs.co_argcount] == mine.co_varnames[: mine.co_argcount]
+    )
+
+
+def _route_manual_seed(on: bool) -> None:
+    if _code_swappable():
+        _upstream_function.__code__ = _trampoline.__code__ if on else _upstream_code
+        return
+    # A torch whose manual_seed has another shape: only callers that look it up on the
+    # module at call time reach rngcoord; say so rather than let the others do nothing.
+    dtensor_random.manual_seed = manual_seed if on else _upstream_function
+    if on:
+        logger.warning(
+            "rngcoord: torch.distributed.tensor._random.manual_seed has parameters %s; a "
+            "name imported before install() keeps upstream's function, which DTensor draws "
+            "ignore: call it through the module",
+            _upstream_code.co_varnames[: _upstream_code.co_argcount],
+        )
+
+
+def run_dtensor_rng_op(
+    start_offset_incr: int, end_offset_incr: int, op: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """DTensor's CUDA path while rngcoord is installed: upstream's higher-order op, except
+    while the tracker traces (it left a traced region, rngcoord.client.traced): then the op
+    runs in that region, which records ``rngcoord::draw``. The increments are not needed
+    then: the draw's region places the op when the graph runs."""
+    region = traced.take_pending()
+    if region is None:
+        return _upstream_hop(start_offset_incr, end_offset_incr, op, *args, **kwargs)
+    with region:
+        return op(*args, **kwargs)
 
 
 @not_compiled
@@ -228,7 +303,8 @@ def register(tracker: RankTracker) -> RankTracker | None:
         if not isinstance(router, TrackerRouter):
             router = TrackerRouter()
             dtensor_random._rng_tracker = router
-            dtensor_random.manual_seed = manual_seed
+            _route_manual_seed(True)
+            dtensor_dispatch.run_dtensor_rng_op = run_dtensor_rng_op  # type: ignore[attr-defined]
             _handlers().update(dict.fromkeys(EXTRA_RANDOM_OPS, random_op))
         previous = router._trackers.get(tracker.rank)
         router._trackers[tracker.rank] = tracker
@@ -247,6 +323,7 @@ def unregister(tracker: RankTracker) -> None:
         _update_policy_handlers(router)
         if not router._trackers:
             dtensor_random._rng_tracker = None
-            dtensor_random.manual_seed = _upstream_manual_seed
+            _route_manual_seed(False)
+            dtensor_dispatch.run_dtensor_rng_op = _upstream_hop  # type: ignore[attr-defined]
             for op in EXTRA_RANDOM_OPS:
                 _handlers().pop(op, None)

@@ -44,21 +44,18 @@ How a draw reaches the device:
   user's CPU state is restored afterwards.
 
 torch.compile: DTensor's dispatch, and so the tracker, runs when a graph is traced, not when
-it runs. Upstream's compiled graph holds ``run_dtensor_rng_op`` (CUDA) or the plain op with
-the shard offsets burned in as constants, and reads the device generator *at run time*
-(``run_dtensor_rng_op``'s CUDA impl calls ``torch.cuda.get_rng_state()`` and adds the
-constants; functionalised RNG does the same through ``philox_rand``'s seed/offset inputs).
-A graph can therefore never draw from a lease that is granted after it was compiled. So by
-default (``compiled_random_ops="eager"``) the tracker makes Dynamo break the graph at every
-DTensor random op: Dynamo runs each op on fake tensors while it traces
-(``torch.compiler.is_compiling()`` is then true), and the tracker raises Dynamo's
-``Unsupported`` there (``torch._dynamo.exc.unimplemented``). The op then runs eagerly
-between two compiled graphs and draws from its lease: compiled and eager give bitwise-equal
-values and move the cursor alike, on every backend. ``fullgraph=True`` turns the graph break
-into an error that says why. The tracker's own code is ``torch.compiler.disable``d, or Dynamo
-would try to compile the regions it runs eagerly. Other tracing (make_fx, export, a
-FakeTensorMode) is refused, unless ``compiled_random_ops="device"`` opts out: traced ops
-then draw from the device generator as it stands, outside the leases, as upstream's do.
+it runs, and upstream's graph reads the device generator *at run time*
+(``run_dtensor_rng_op``'s CUDA impl, or the plain op). While it is traced, the tracker's
+region therefore records the local random op as the custom op ``rngcoord::draw``
+(:mod:`rngcoord.client.traced`), which enters this region when the graph runs: compiled
+graphs draw from the leases, with ``fullgraph=True`` too, on every backend and for other
+tracers (make_fx, export) alike, and compiled and eager values and cursors are equal bit for
+bit. A trace never plans or joins a group. What cannot be recorded (a user generator,
+symbolic shapes) breaks Dynamo's graph before the op, which then runs eagerly from its
+lease, or is refused under other tracers. ``compiled_random_ops="device"`` opts out: traced
+ops then draw from the device generator as it stands, outside the leases, as upstream's do.
+The tracker's own code is ``torch.compiler.disable``d: after a graph break, DTensor's
+dispatch runs from a resumed frame and Dynamo would otherwise compile the regions.
 """
 
 from __future__ import annotations
@@ -73,9 +70,10 @@ import sys
 import threading
 import types
 import uuid
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -84,7 +82,7 @@ from torch.distributed._functional_collectives import _are_we_tracing
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from rngcoord.client import invariant
+from rngcoord.client import invariant, portable, traced
 from rngcoord.client.compiling import not_compiled
 from rngcoord.client.connection import CoordinatorClient
 from rngcoord.client.devices import (
@@ -96,13 +94,35 @@ from rngcoord.client.devices import (
     pack_philox,
     unpack_philox,
 )
-from rngcoord.client.errors import InvalidRequest, RNGCoordError, StoreMismatchError
-from rngcoord.client.groups import GroupSpec, invariant_group, shared_group, stream_group
-from rngcoord.client.leases import INITIAL_DIGEST, LeaseManager, LeaseSchedule, StreamState
+from rngcoord.client.errors import (
+    InvalidRequest,
+    JoinTimeoutError,
+    RNGCoordError,
+    StoreMismatchError,
+)
+from rngcoord.client.groups import (
+    GroupSpec,
+    invariant_group,
+    is_split_dim,
+    mesh_of_name,
+    policy_of,
+    shared_group,
+    stream_group,
+)
+from rngcoord.client.leases import (
+    ATTEST_MIN_S,
+    INITIAL_DIGEST,
+    LeaseManager,
+    LeaseSchedule,
+    StreamState,
+)
 from rngcoord.client.router import random_op, unregister
+from rngcoord.client.trace import OpTrace
+from rngcoord.v1.rules import NAME_PATTERN
 from rngcoord.v1.types import JoinResult
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: ``format`` of the dicts :meth:`RNGStateTracker.state_dict` returns.
 STATE_FORMAT = "rngcoord.tracker/1"
@@ -243,8 +263,31 @@ _CALLERS: dict[types.CodeType | None, str] = {
     # The router's handler of the random ops DTensor leaves alone; wrapped by
     # torch.compiler.disable, and the frame that calls the tracker is the inner one.
     getattr(random_op, "__wrapped__", random_op).__code__: "op_call",
+    # A compiled graph's rngcoord::draw, which sets op_call to the op DTensor's frame held
+    # when the graph was traced: compiled and eager ops fingerprint alike.
+    traced._run.__code__: "op_call",
 }
 _CALLERS.pop(None, None)
+
+
+def _caller_args(frame: types.FrameType | None, op: object) -> dict[str, Any]:
+    """The scalar arguments of the random op (``p`` of ``bernoulli_``...), read from the
+    calling frame's ``args`` and ``kwargs`` (the router's handler has them), for the trace;
+    empty where they cannot be read."""
+    for _ in range(4):
+        if frame is None or not isinstance(op, torch._ops.OpOverload):
+            return {}
+        if frame.f_code in _CALLERS:
+            args, kwargs = frame.f_locals.get("args"), frame.f_locals.get("kwargs")
+            if not isinstance(args, (tuple, list)) or not isinstance(kwargs, dict):
+                return {}
+            try:
+                bound = portable.bind_op_args(op, args, kwargs)
+            except (TypeError, ValueError):
+                return {}
+            return {k: v for k, v in bound.items() if isinstance(v, (int, float, bool))}
+        frame = frame.f_back
+    return {}
 
 
 def _caller_op(frame: types.FrameType | None) -> object | None:
@@ -258,6 +301,61 @@ def _caller_op(frame: types.FrameType | None) -> object | None:
             return frame.f_locals.get(local)
         frame = frame.f_back
     return None
+
+
+class _TracedStream:
+    """A stream that writes each op it accounts to the trace (install(trace=PATH))."""
+
+    def __init__(
+        self,
+        stream: _Stream,
+        trace: OpTrace,
+        group: str,
+        spec: DTensorSpec,
+        caller: types.FrameType | None,
+    ) -> None:
+        self._stream = stream
+        self._trace = trace
+        self._group = group
+        self._spec = spec
+        self._caller = caller
+
+    @property
+    def seed(self) -> int:
+        return self._stream.seed
+
+    @seed.setter
+    def seed(self, value: int) -> None:
+        self._stream.seed = value
+
+    @property
+    def cursor(self) -> int:
+        return self._stream.cursor
+
+    @property
+    def digest(self) -> bytes:
+        return self._stream.digest
+
+    @property
+    def state(self) -> StreamState:
+        return self._stream.state
+
+    def advance(self, size: int, op_key: bytes) -> int:
+        base = self._stream.advance(size, op_key)
+        meta = self._spec.tensor_meta
+        dtype = str(meta.dtype).removeprefix("torch.") if meta is not None else "unknown"
+        op = _caller_op(self._caller)
+        name = "<unknown op>" if op is None else _op_name(op)
+        self._trace.record(
+            self._group,
+            base,
+            size,
+            tuple(self._spec.shape),
+            dtype,
+            name,
+            _caller_args(self._caller, op),
+        )
+        return base
 
 
 class _CPURegion:
@@ -338,10 +436,14 @@ class RNGStateTracker:
             generator (the shard layout above). ``"sharding_invariant"``: every shard gets
             the slice of what one device would draw, from a stream named independently of
             the mesh (:mod:`rngcoord.client.invariant`).
-        compiled_random_ops: ``"eager"`` (default): a DTensor random op under torch.compile
-            breaks the graph and runs eagerly from the streams, and other tracing is refused;
-            ``"device"``: traced ops draw from the device generator as it stands (upstream's
-            behaviour), outside the streams. See the module docstring.
+        compiled_random_ops: ``"eager"`` (default): a traced DTensor random op (torch.compile,
+            make_fx, export) draws from the streams when the graph runs, exactly as the eager
+            op would (``rngcoord::draw``); ``"device"``: traced ops draw from the device
+            generator as it stands (upstream's behaviour), outside the streams. See the
+            module docstring.
+        trace: Write a JSON line per op drawn from the streams to this path (``{rank}`` is
+            replaced by the rank; :mod:`rngcoord.client.trace`), for ``rngcoord replay
+            --trace``. Default ``None``: no trace.
     """
 
     def __init__(
@@ -352,6 +454,7 @@ class RNGStateTracker:
         split_dims: Sequence[str] | None = None,
         policy: Policy = "offsets",
         compiled_random_ops: CompiledOps = "eager",
+        trace: str | os.PathLike[str] | None = None,
     ) -> None:
         if policy not in ("offsets", "sharding_invariant"):
             raise InvalidRequest(
@@ -386,6 +489,7 @@ class RNGStateTracker:
         self._cpu_writer = CPUStateWriter() if handle is None else None
         self._philox = bytearray(16)
         self._philox_tensor = torch.frombuffer(self._philox, dtype=torch.uint8)
+        self._trace = None if trace is None else OpTrace(trace, self.rank, policy)
 
     # -- the seed's interface -------------------------------------------------------------
 
@@ -510,14 +614,15 @@ class RNGStateTracker:
             # DTensor's dispatch checks this flag itself; its factories (rand, randn) do not.
             return contextlib.nullcontext()
         if _are_we_tracing():
-            self._traced()
-            return contextlib.nullcontext()
+            return self._traced_region(spec, generator, caller)
         plan = self._plans.get(spec) or self._plan(spec)
         stream = plan.stream
         if stream is None:
             return contextlib.nullcontext()
         if generator is not None:
             return self._generator_region(plan, generator)
+        if self._trace is not None:
+            stream = _TracedStream(stream, self._trace, self._stream_tag(spec), spec, caller)
         if self.policy == "sharding_invariant":
             return invariant.InvariantRegion(stream, spec, lambda: self._op_key(plan, caller))
         if self._cpu_writer is not None:
@@ -527,21 +632,43 @@ class RNGStateTracker:
         base = stream.advance(plan.end, self._op_key(plan, caller))
         return _PhiloxRegion(self, stream.seed, base + plan.start, base + plan.end)
 
-    def _traced(self) -> None:
-        """A DTensor random op is being traced: break Dynamo's graph so that the op runs
-        eagerly, or refuse other tracing, unless ``compiled_random_ops`` is ``"device"``."""
+    def _traced_region(
+        self,
+        spec: DTensorSpec,
+        generator: torch.Generator | None,
+        caller: types.FrameType | None,
+    ) -> contextlib.AbstractContextManager[None]:
+        """The region of a DTensor random op that is being traced (torch.compile, make_fx,
+        export): the graph gets ``rngcoord::draw``, which draws from the leases when it runs
+        (rngcoord.client.traced). Nothing is planned or joined here: a trace never talks to
+        the coordinator, and Dynamo may trace a frame many times."""
         if self.compiled_random_ops == "device":
             _warn_tracing_once()
-        elif torch.compiler.is_compiling():
-            _break_graph()
-        else:
-            raise RNGCoordError(
-                "a DTensor random op is being traced outside torch.compile (make_fx, export "
-                "or a FakeTensorMode): a traced graph reads the device generator when it runs "
-                "and cannot draw from the coordinator's leases. Run the op eagerly or under "
-                "torch.compile (which breaks the graph there), or pass "
-                'compiled_random_ops="device" to install() to draw outside the leases'
+            return contextlib.nullcontext()
+        if generator is not None:
+            # A torch.Generator is the user's own stream, advanced in Python; a graph cannot
+            # carry it.
+            self._untraceable(
+                "a DTensor random op with a user generator cannot be recorded in a graph"
             )
+            return contextlib.nullcontext()
+        try:
+            return traced.TracedRegion(spec, _caller_op(caller))
+        except traced.UntraceableRandomOp as e:
+            self._untraceable(str(e))
+            return contextlib.nullcontext()
+
+    @staticmethod
+    def _untraceable(why: str) -> None:
+        """Break Dynamo's graph before the op (so that it runs eagerly, from its lease), or
+        refuse other tracing."""
+        if torch.compiler.is_compiling():
+            _break_graph(why)
+        raise RNGCoordError(
+            f"{why}: run the op eagerly or under torch.compile (which breaks the graph "
+            'there), or pass compiled_random_ops="device" to install() to draw outside the '
+            "leases"
+        )
 
     def _compute_rng_offsets(self, spec: DTensorSpec) -> tuple[int, int]:
         """DTensor's CUDA path: account the op and set the device generator to
@@ -550,9 +677,6 @@ class RNGStateTracker:
         return self.hop_offsets(spec, sys._getframe(1))
 
     def hop_offsets(self, spec: DTensorSpec, caller: types.FrameType | None) -> tuple[int, int]:
-        plan = self._plans.get(spec) or self._plan(spec)
-        if plan.stream is None:
-            raise RNGCoordError(f"rank {self.rank} is not part of the mesh of {spec}")
         if self.policy == "sharding_invariant":
             # The policy's op handler runs every dispatched random op in a region instead.
             raise RNGCoordError(
@@ -560,9 +684,24 @@ class RNGStateTracker:
                 "outside rngcoord.client.invariant.INVARIANT_OPS took DTensor's CUDA path"
             )
         if _are_we_tracing():
-            self._traced()
-            return plan.start, plan.end
+            _check_in_mesh(spec.mesh, self.rank, "a DTensor random op")
+            start, end = shard_offsets(spec)
+            if self.compiled_random_ops == "device":
+                _warn_tracing_once()
+            else:
+                # run_dtensor_rng_op follows in DTensor's frame; the router's replacement
+                # runs the op inside this region, which records rngcoord::draw instead, and
+                # the draw's region sets the generator when the graph runs. Nothing is
+                # planned (joined) here: a trace never talks to the coordinator.
+                traced.set_pending(traced.TracedRegion(spec, _caller_op(caller)))
+            return start, end
+        traced.set_pending(None)
+        plan = self._plans.get(spec) or self._plan(spec)
+        if plan.stream is None:
+            raise RNGCoordError(f"rank {self.rank} is not part of the mesh of {spec}")
         stream = plan.stream
+        if self._trace is not None:
+            stream = _TracedStream(stream, self._trace, self._stream_tag(spec), spec, caller)
         check_philox_offset(stream.cursor + plan.end)
         base = stream.advance(plan.end, self._op_key(plan, caller))
         self._set_philox(stream.seed, base)
@@ -581,6 +720,10 @@ class RNGStateTracker:
             plan = _Plan(stream, start, end, str(tuple(spec.shape)), {})
         self._plans[spec] = plan
         return plan
+
+    def _stream_tag(self, spec: DTensorSpec) -> str:
+        """The name of the group (stream) that ops on ``spec``'s mesh draw from."""
+        return self._group_of(spec.mesh).name
 
     def _stream_for(self, mesh: DeviceMesh) -> _Stream:
         """The stream that random ops on ``mesh`` draw from."""
@@ -671,16 +814,15 @@ class _UserPhiloxRegion:
 
 
 @not_compiled
-def _break_graph() -> None:
+def _break_graph(why: str) -> None:
     # Dynamo turns Unsupported raised while it runs an op on fake tensors into a graph break
     # before the op (or, with fullgraph=True, into an error carrying this explanation).
     torch._dynamo.exc.unimplemented(
         gb_type="rngcoord: DTensor random op",
         context="",
         explanation=(
-            "rngcoord runs DTensor random ops eagerly, between compiled graphs, so that they "
-            "draw from the coordinator's leases: a compiled graph reads the device generator "
-            "when it runs, outside the leases"
+            f"{why}; rngcoord runs it eagerly, between compiled graphs, so that it draws from "
+            "the coordinator's leases"
         ),
         hints=[
             'Drop fullgraph=True, or pass compiled_random_ops="device" to '
@@ -789,9 +931,13 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
             named ``pp*`` or ``pipe*``; every other dim replicates, as in DTensor.
         policy: ``"offsets"`` (default) or ``"sharding_invariant"``; see
             :class:`RNGStateTracker`.
-        compiled_random_ops: What a DTensor random op under torch.compile does. Default
-            ``"eager"``: it breaks the graph and draws from the leases. See
+        compiled_random_ops: What a traced DTensor random op does. Default ``"eager"``: the
+            graph draws it from the leases when it runs, as eager would. See
             :class:`RNGStateTracker`.
+        trace: A per-op JSONL trace path (``{rank}``: the rank), flushed at :meth:`close`;
+            see :class:`RNGStateTracker`. Default ``None``.
+        attest_min_s: Attest about this often at most; see
+            :class:`~rngcoord.client.leases.LeaseManager`. Default 30.0.
     """
 
     def __init__(
@@ -807,6 +953,8 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         split_dims: Sequence[str] | None = None,
         policy: Policy = "offsets",
         compiled_random_ops: CompiledOps = "eager",
+        trace: str | os.PathLike[str] | None = None,
+        attest_min_s: float = ATTEST_MIN_S,
     ) -> None:
         # Upstream's __init__ is deliberately not called: it raises on CPU meshes and
         # broadcasts rank 0's device state, which the coordinator makes unnecessary.
@@ -817,6 +965,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
             split_dims=split_dims,
             policy=policy,
             compiled_random_ops=compiled_random_ops,
+            trace=trace,
         )
         _check_in_mesh(device_mesh, self.rank, "install()")
         if seed is not None and not 0 <= seed < 1 << 64:
@@ -829,6 +978,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         self.job = job
         self.shared_stream = shared_stream
         self.join_timeout_s = join_timeout_s
+        self.attest_min_s = attest_min_s
         self.member_id = f"r{self.rank}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.device_mesh = device_mesh
         self._job_seed = seed
@@ -839,6 +989,16 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         self._shared = shared_group(device_mesh, self.rank) if shared_stream else None
         self._expected_store: str | None = None
         self._saved_head = ""
+        # The base seed whose streams ops draw from (manual_seed), None for the root seed's,
+        # and the scope of every joined group.
+        self._scope: int | None = None
+        self._scopes: dict[str, int | None] = {}
+        #: Streams of the last loaded state that cannot rewind onto this mesh (a resize under
+        #: the offsets policy): saved group -> this mesh's group. See :meth:`load_state_dict`.
+        self.unrestorable: dict[str, str] = {}
+        # This mesh's group -> (saved group, saved cursor) of those streams, until the group
+        # is joined and its rank 0 has audited them (RecordResize).
+        self._resized: dict[str, list[tuple[str, int]]] = {}
 
     @property
     def job_seed(self) -> int | None:
@@ -851,6 +1011,12 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         return types.MappingProxyType(self._managers)
 
     def _find_group(self, mesh: DeviceMesh) -> GroupSpec:
+        group = self._unscoped_group(mesh)
+        if self._scope is None:
+            return group
+        return GroupSpec(scoped_name(group.name, self._scope), group.rank, group.world_size)
+
+    def _unscoped_group(self, mesh: DeviceMesh) -> GroupSpec:
         if self._shared is not None:
             if mesh.get_coordinate() is not None and not set(mesh.mesh.flatten().tolist()) <= set(
                 self.device_mesh.mesh.flatten().tolist()
@@ -870,16 +1036,68 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
                 manager = self._managers.get(group.name) or self._join(group)
         return manager
 
+    def join(self, *meshes: DeviceMesh) -> None:
+        """Join the groups of ``meshes`` now, in one message (JoinGroups), instead of one
+        join each at its first random op: for a rank's root mesh and the sub-meshes it
+        draws on, e.g. ``tracker.join(mesh, mesh["tp"])``. Every rank of each group must do
+        the same (each group's barrier waits for all its ranks). Groups already joined are
+        skipped; a group never drawn on holds its epoch and costs nothing more.
+        """
+        with self._join_lock:
+            groups: dict[str, GroupSpec] = {}
+            for mesh in meshes:
+                group = self._group_of(mesh)
+                if group.name not in self._managers:
+                    groups.setdefault(group.name, group)
+            if len(groups) == 1:
+                self._join(*groups.values())
+            elif groups:
+                specs = list(groups.values())
+                results = self._joined(
+                    lambda: self.client.join_groups(
+                        self.job,
+                        [(g.name, g.rank, g.world_size) for g in specs],
+                        member_id=self.member_id,
+                        job_seed=self._job_seed,
+                        timeout_s=self.join_timeout_s,
+                    )
+                )
+                for group, joined in zip(specs, results, strict=True):
+                    self._start(group, joined)
+
     def _join(self, group: GroupSpec) -> LeaseManager:
-        joined = self.client.join_group(
-            self.job,
-            group.name,
-            rank=group.rank,
-            world_size=group.world_size,
-            member_id=self.member_id,
-            job_seed=self._job_seed,
-            timeout_s=self.join_timeout_s,
+        joined = self._joined(
+            lambda: self.client.join_group(
+                self.job,
+                group.name,
+                rank=group.rank,
+                world_size=group.world_size,
+                member_id=self.member_id,
+                job_seed=self._job_seed,
+                timeout_s=self.join_timeout_s,
+            )
         )
+        return self._start(group, joined)
+
+    def _joined(self, join: Callable[[], _T]) -> _T:
+        """`join()`, its timeout told in terms of manual_seed's base when one is set."""
+        try:
+            return join()
+        except JoinTimeoutError as e:
+            if self._scope is None:
+                raise
+            raise JoinTimeoutError(
+                f"{e}; this rank draws from the streams of base seed {self._scope} "
+                f"(manual_seed): ranks that passed manual_seed another base (after their "
+                "stage offset) wait in another group",
+                code=e.code,
+                reason=e.reason,
+                metadata=e.metadata,
+            ) from e
+
+    def _start(self, group: GroupSpec, joined: JoinResult) -> LeaseManager:
+        """The lease manager of `group`, just joined as `joined`."""
+        self._scopes[group.name] = self._scope
         self._job_seed = joined.job_seed
         resume = None
         pending = self._pending.pop(group.name, None)
@@ -899,10 +1117,30 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
             schedule=self.schedule,
             resume=resume,
             restore_timeout_s=self.join_timeout_s,
+            attest_min_s=self.attest_min_s,
         )
         self._managers[group.name] = manager
         self._streams[group.name] = manager
+        self._record_resizes()
         return manager
+
+    def _record_resizes(self) -> None:
+        """Audit the resizes :meth:`load_state_dict` found, once their group is joined: its
+        rank 0 sends one RecordResize per saved group (the coordinator keeps one record per
+        epoch and saved group, so a repeat is harmless)."""
+        for current in [name for name in self._resized if name in self._managers]:
+            manager = self._managers[current]
+            for saved, cursor in self._resized.pop(current):
+                if manager.rank == 0:
+                    self.client.record_resize(
+                        self.job,
+                        current,
+                        epoch=manager.epoch,
+                        saved_group=saved,
+                        saved_cursor=cursor,
+                        rank=manager.rank,
+                        member_id=self.member_id,
+                    )
 
     def set_seed(self, tag: str, seed: int) -> None:
         """Refused: group seeds are derived by the coordinator from the job's root seed."""
@@ -926,39 +1164,75 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         manager.restore(offset, manager.digest)
 
     def manual_seed(self, seed: int, mesh: DeviceMesh) -> None:
-        """DTensor's ``manual_seed(seed, mesh)`` (rngcoord.client.install routes it here).
+        """DTensor's ``manual_seed(seed, mesh)`` (rngcoord.client.install routes it here):
+        the draws that follow are those of a fresh job with the root seed and the seed's
+        *base*, from their start.
 
-        With the job's root seed, every group this rank has joined goes back to the start of
-        its stream, offset 0, through an audited Restore: the draws that follow repeat those
-        of a fresh job with this seed, as upstream's ``manual_seed`` reproduces them. Every
-        rank of those groups must call it at the same point, as upstream requires. Before any
-        group is joined, an unset root seed becomes ``seed``.
+        - The base is ``seed`` less this rank's stage offset: its coordinates on the install
+          mesh's split dims (``pp*`` by default), mixed radix in the mesh's dim order. So
+          torchtitan's ``set_determinism`` and upstream's tests, which pass ``seed + pp_rank``
+          on stage ``pp_rank``, give every rank the same base. Stages need no seeds of their
+          own: they already draw from separate streams (split dims, docs/design.md §5.4).
+        - No group joined and no root seed yet: the base becomes the job's root seed.
+        - The base is the root seed: every group goes back to offset 0.
+        - Any other base selects the base's streams: every group is then joined under the
+          name of the root-seed group with ``/seed:<base>`` appended, so the coordinator
+          derives other seeds for them. A group of the base that has already drawn goes back
+          to offset 0.
+
+        Going back to offset 0 is an audited Restore that every rank of the group must make at
+        the same point, as upstream requires of ``manual_seed``; it is the one way a draw
+        repeats, and only when asked for. Before any draw (torchtitan calls it at start-up)
+        nothing is sent. The same root seed and base reproduce the same values in any job.
 
         Raises:
-            InvalidRequest: the rank is not in ``mesh``, or ``seed`` is not the job's root
-                seed: group seeds derive from it, so choose it with ``install(seed=...)``,
-                and resume a stream with ``load_state_dict``.
+            InvalidRequest: the rank is not in ``mesh``, or ``seed`` is not a uint64.
         """
         _check_in_mesh(mesh, self.rank, "manual_seed")
+        if not 0 <= seed < 1 << 64:
+            raise InvalidRequest(f"seed must be a uint64, got {seed}")
+        base = (seed - self.stage_offset()) % (1 << 64)
         if self._job_seed is None and not self._managers:
-            if not 0 <= seed < 1 << 64:
-                raise InvalidRequest(f"seed must be a uint64, got {seed}")
-            self._job_seed = seed
+            self._job_seed = base
+            self._set_scope(None)
             return
-        if seed != self._job_seed:
-            raise InvalidRequest(
-                f"manual_seed({seed}) on job {self.job!r}, whose root seed is {self._job_seed}: "
-                "rngcoord derives every group's seed from the job's root seed, so pass "
-                "install(seed=...) to choose it, and use load_state_dict() to continue a saved "
-                "stream; manual_seed with the root seed restarts the streams from offset 0"
-            )
-        for manager in self._managers.values():
-            manager.restore(0, INITIAL_DIGEST)
+        self._set_scope(None if base == self._job_seed else base)
+        for name, manager in self._managers.items():
+            if self._scopes.get(name) == self._scope:
+                manager.restore(0, INITIAL_DIGEST)
+
+    def stage_offset(self) -> int:
+        """What a per-stage seed adds to the base seed on this rank: its coordinates on the
+        install mesh's split dims, mixed radix in dim order (torchtitan's
+        ``distinct_seed_mesh_dims``; ``pp_rank`` with one ``pp`` dim). 0 without split dims."""
+        coordinate = self.device_mesh.get_coordinate()
+        assert coordinate is not None
+        names = self.device_mesh.mesh_dim_names or (None,) * self.device_mesh.ndim
+        offset, radix = 0, 1
+        for dim, name in enumerate(names):
+            if is_split_dim(name, self.split_dims):
+                offset += coordinate[dim] * radix
+                radix *= self.device_mesh.size(dim)
+        return offset
+
+    @property
+    def seed_scope(self) -> int | None:
+        """The base seed whose streams the rank draws from, ``None`` for the root seed's."""
+        return self._scope
+
+    def _set_scope(self, scope: int | None) -> None:
+        if scope != self._scope:
+            self._scope = scope
+            # Meshes map to the scope's groups from now on.
+            self._groups.clear()
+            self._plans.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """The position of every group: ``{"format", "job", "job_seed", "store_id",
-        "audit_head", "streams": {group: {"seed", "offset", "digest", "origin",
-        "largest_op", "epoch"}}}``, groups loaded but not joined yet included.
+        "audit_head", "seed_scope", "streams": {group: {"seed", "offset", "digest", "origin",
+        "largest_op", "epoch"}}}``, groups loaded but not joined yet included. ``seed_scope``
+        is the base seed whose streams ops draw from (:meth:`manual_seed`), loaded with the
+        streams.
 
         ``store_id`` is the coordinator store the streams came from: loading the state into
         the same job where another store answers raises
@@ -975,6 +1249,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         state["job_seed"] = self._job_seed
         state["store_id"] = self.client.store_id or self._expected_store
         state["audit_head"] = self.client.audit_head or self._saved_head
+        state["seed_scope"] = self._scope
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -994,8 +1269,21 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
             StoreMismatchError: the state is this job's, and another store answers, or a
                 group's epoch or high-water mark is behind the state's.
             RestoreTimeoutError: the group's other members did not load it too in time.
+
+        Under the offsets policy a group is its mesh's shape and ranks: a state saved on
+        another mesh (a job resized from 4 ranks to 2) names groups this mesh never joins,
+        whose cursors cannot be restored. Such streams are listed in :attr:`unrestorable`
+        (saved group -> this mesh's group), warned about (:func:`resize_message`) and audited
+        (kind ``resize``, sent by the group's rank 0 once it is joined); this mesh's groups
+        then start at their own high-water mark. The sharding_invariant
+        policy's streams do not depend on the mesh and resume across a resize.
         """
         streams = _streams_of(state)
+        self.unrestorable = {} if self.policy != "offsets" else self._foreign_streams(streams)
+        for saved, current in self.unrestorable.items():
+            warnings.warn(resize_message(saved, current), RuntimeWarning, stacklevel=2)
+            self._resized.setdefault(current, []).append((saved, int(streams[saved]["offset"])))
+        self._record_resizes()
         if state.get("job") == self.job:
             # The same job continues: its streams must come from the same store, and move
             # only forward. A state loaded into another job starts that job's streams anew.
@@ -1011,6 +1299,10 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         saved_seed = state.get("job_seed")
         if self._job_seed is None and not self._managers and isinstance(saved_seed, int):
             self._job_seed = saved_seed
+        scope = state.get("seed_scope")
+        if "seed_scope" in state and (scope is None or isinstance(scope, int)):
+            # The saved streams are the scope's: continue drawing from them.
+            self._set_scope(scope)
         for tag, entry in streams.items():
             manager = self._managers.get(tag)
             if manager is None:
@@ -1019,10 +1311,30 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
             _check_seed(tag, entry["seed"], manager.seed)
             manager.restore(entry["offset"], entry["digest"])
 
+    def _foreign_streams(self, streams: Mapping[str, Any]) -> dict[str, str]:
+        """The saved offsets-policy streams whose mesh is not this job's: ranks outside the
+        install mesh, or the install mesh's dims with another shape. Maps each to the install
+        mesh's group."""
+        current = self._unscoped_group(self.device_mesh).name
+        now = mesh_of_name(current)
+        ours = {int(r) for r in self.device_mesh.mesh.flatten().tolist()}
+        foreign = {}
+        for tag in streams:
+            saved = mesh_of_name(tag) if policy_of(tag) == "offsets" else None
+            if saved is None or tag in self._managers:
+                continue
+            names, shape, ranks = saved
+            resized = now is not None and names == now[0] and shape != now[1]
+            if resized or not set(ranks) <= ours:
+                foreign[tag] = current
+        return foreign
+
     def close(self) -> None:
         """Leave every joined group, stop the prefetch threads, unregister from DTensor and
         close the client if this tracker owns it."""
         unregister(self)
+        if self._trace is not None:
+            self._trace.close()
         errors = []
         for manager in self._managers.values():
             try:
@@ -1034,6 +1346,29 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
             self.client.close()
         if errors:
             logger.warning("rngcoord: leaving groups failed: %s", "; ".join(map(str, errors)))
+
+
+def resize_message(saved: str, current: str) -> str:
+    """What a resume across a resize under the offsets policy does to the random stream."""
+    return (
+        f"the checkpoint's random stream cannot rewind onto another mesh: it was saved in "
+        f"group {saved!r}, and this mesh draws from group {current!r}. Under the offsets "
+        "policy a stream belongs to its mesh's shape and ranks, so the draws continue from "
+        f"{current!r}'s own position (offset 0 if it is new), not from the saved cursor, and "
+        "differ from an uninterrupted run's. Model and optimizer state are unaffected. For "
+        'random streams that survive a resize, run the job with policy="sharding_invariant" '
+        "(install(policy=...)) from its start"
+    )
+
+
+def scoped_name(name: str, scope: int) -> str:
+    """The name of group ``name``'s counterpart among the streams of base seed ``scope``
+    (:meth:`OffsetBasedRNGTracker.manual_seed`): ``name`` with ``/seed:<scope>`` appended, or
+    a digest of ``name`` where that would be too long for the contract's name rule."""
+    suffix = f"/seed:{scope}"
+    if NAME_PATTERN.fullmatch(name + suffix):
+        return name + suffix
+    return f"sha:{hashlib.sha256(name.encode()).hexdigest()[:32]}{suffix}"
 
 
 def _check_forward(

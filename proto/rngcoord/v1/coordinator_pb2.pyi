@@ -81,7 +81,10 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """
     DIVERGENCE: _ErrorReason.ValueType  # 7
     """FAILED_PRECONDITION. Ranks disagree about the sequence of random ops; the epoch refuses
-    leases from then on. metadata: job, group, epoch, seq, ranks (comma-separated).
+    leases from then on. metadata: job, group, epoch, seq (or anchor_seq and ops), ranks (every
+    rank heard from, comma-separated), first (the rank that spoke first at that point),
+    divergent (the minority's ranks, or every side but the first speaker's on a tie), and
+    disagree (the ranks whose fingerprint differs from the caller's).
     """
     SEED_CONFLICT: _ErrorReason.ValueType  # 8
     """FAILED_PRECONDITION. A join asked for another root seed than the job's.
@@ -132,6 +135,22 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     swapped, its schema dropped): it refuses every call and reports NOT_SERVING until it is
     restarted on the right store. metadata: store_id, location.
     """
+    TOO_MANY_STREAMS: _ErrorReason.ValueType  # 22
+    """RESOURCE_EXHAUSTED. The caller's address has as many ListAudit (or Session) streams open
+    as the server allows per peer host, or the server as many as it allows in all: finish or
+    cancel one first. metadata: peer, limit, scope ("host" or "server"), method.
+    """
+    BAD_CREDENTIAL: _ErrorReason.ValueType  # 23
+    """PERMISSION_DENIED. The member secret is missing, or is not the one the member joined
+    with: a member id (which GetGroup lists) lets nobody act as that member.
+    metadata: job, group, epoch (0 for a join), rank.
+    """
+    JOB_IN_USE: _ErrorReason.ValueType  # 24
+    """FAILED_PRECONDITION. A join of another launch would replace an epoch whose members were
+    active within the last 180 s. metadata: job, group, epoch, launch (the live epoch's),
+    hosts (its members' hosts, comma-separated, cut short past 16), idle_s (seconds since
+    its members were last active).
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Why a request was refused: ErrorInfo.reason is one of these names. Each comment gives the
@@ -157,7 +176,10 @@ metadata: job, group, epoch, rank, member_id.
 """
 DIVERGENCE: ErrorReason.ValueType  # 7
 """FAILED_PRECONDITION. Ranks disagree about the sequence of random ops; the epoch refuses
-leases from then on. metadata: job, group, epoch, seq, ranks (comma-separated).
+leases from then on. metadata: job, group, epoch, seq (or anchor_seq and ops), ranks (every
+rank heard from, comma-separated), first (the rank that spoke first at that point),
+divergent (the minority's ranks, or every side but the first speaker's on a tie), and
+disagree (the ranks whose fingerprint differs from the caller's).
 """
 SEED_CONFLICT: ErrorReason.ValueType  # 8
 """FAILED_PRECONDITION. A join asked for another root seed than the job's.
@@ -208,7 +230,208 @@ STORE_LOST: ErrorReason.ValueType  # 21
 swapped, its schema dropped): it refuses every call and reports NOT_SERVING until it is
 restarted on the right store. metadata: store_id, location.
 """
+TOO_MANY_STREAMS: ErrorReason.ValueType  # 22
+"""RESOURCE_EXHAUSTED. The caller's address has as many ListAudit (or Session) streams open
+as the server allows per peer host, or the server as many as it allows in all: finish or
+cancel one first. metadata: peer, limit, scope ("host" or "server"), method.
+"""
+BAD_CREDENTIAL: ErrorReason.ValueType  # 23
+"""PERMISSION_DENIED. The member secret is missing, or is not the one the member joined
+with: a member id (which GetGroup lists) lets nobody act as that member.
+metadata: job, group, epoch (0 for a join), rank.
+"""
+JOB_IN_USE: ErrorReason.ValueType  # 24
+"""FAILED_PRECONDITION. A join of another launch would replace an epoch whose members were
+active within the last 180 s. metadata: job, group, epoch, launch (the live epoch's),
+hosts (its members' hosts, comma-separated, cut short past 16), idle_s (seconds since
+its members were last active).
+"""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
+
+@_typing.final
+class JoinGroupsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    JOINS_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    """The job. Each join's `job` must be this one, or empty (then it is this one)."""
+    @_builtins.property
+    def joins(self) -> _containers.RepeatedCompositeFieldContainer[Global___JoinGroupRequest]:
+        """The joins, of distinct groups: at least 1, at most 16."""
+
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        joins: _abc.Iterable[Global___JoinGroupRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "joins", b"joins"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinGroupsRequest: _TypeAlias = JoinGroupsRequest  # noqa: Y015
+
+@_typing.final
+class JoinGroupsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___JoinGroupResponse]:
+        """One result per join, in request order."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___JoinGroupResponse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinGroupsResponse: _TypeAlias = JoinGroupsResponse  # noqa: Y015
+
+@_typing.final
+class SessionRequest(_message.Message):
+    """One member call on a Session stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    DEADLINE_MS_FIELD_NUMBER: _builtins.int
+    JOIN_GROUP_FIELD_NUMBER: _builtins.int
+    RESERVE_FIELD_NUMBER: _builtins.int
+    ATTEST_FIELD_NUMBER: _builtins.int
+    LEAVE_GROUP_FIELD_NUMBER: _builtins.int
+    GET_GROUP_FIELD_NUMBER: _builtins.int
+    RESTORE_FIELD_NUMBER: _builtins.int
+    RECORD_RESIZE_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    JOIN_GROUPS_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """Chosen by the client, unique among its requests in flight on this stream; the answer
+    carries it back.
+    """
+    deadline_ms: _builtins.int
+    """How long the client waits for the answer, in milliseconds, as a unary call's deadline
+    would say (it bounds a JoinGroup's or Restore's wait). 0: no deadline.
+    """
+    cancel: _builtins.bool
+    """Withdraw request `id`, as cancelling a unary call would (a waiting join leaves its
+    barrier). No answer follows for it; one already on its way may still arrive.
+    """
+    @_builtins.property
+    def join_group(self) -> Global___JoinGroupRequest: ...
+    @_builtins.property
+    def reserve(self) -> Global___ReserveRequest: ...
+    @_builtins.property
+    def attest(self) -> Global___AttestRequest: ...
+    @_builtins.property
+    def leave_group(self) -> Global___LeaveGroupRequest: ...
+    @_builtins.property
+    def get_group(self) -> Global___GetGroupRequest: ...
+    @_builtins.property
+    def restore(self) -> Global___RestoreRequest: ...
+    @_builtins.property
+    def record_resize(self) -> Global___RecordResizeRequest: ...
+    @_builtins.property
+    def join_groups(self) -> Global___JoinGroupsRequest: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        deadline_ms: _builtins.int = ...,
+        join_group: Global___JoinGroupRequest | None = ...,
+        reserve: Global___ReserveRequest | None = ...,
+        attest: Global___AttestRequest | None = ...,
+        leave_group: Global___LeaveGroupRequest | None = ...,
+        get_group: Global___GetGroupRequest | None = ...,
+        restore: Global___RestoreRequest | None = ...,
+        record_resize: Global___RecordResizeRequest | None = ...,
+        cancel: _builtins.bool = ...,
+        join_groups: Global___JoinGroupsRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attest", b"attest", "call", b"call", "cancel", b"cancel", "get_group", b"get_group", "join_group", b"join_group", "join_groups", b"join_groups", "leave_group", b"leave_group", "record_resize", b"record_resize", "reserve", b"reserve", "restore", b"restore"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attest", b"attest", "call", b"call", "cancel", b"cancel", "deadline_ms", b"deadline_ms", "get_group", b"get_group", "id", b"id", "join_group", b"join_group", "join_groups", b"join_groups", "leave_group", b"leave_group", "record_resize", b"record_resize", "reserve", b"reserve", "restore", b"restore"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["join_group", "reserve", "attest", "leave_group", "get_group", "restore", "record_resize", "cancel", "join_groups"]  # noqa: Y015
+    _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
+
+Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
+
+@_typing.final
+class SessionResponse(_message.Message):
+    """The answer to one SessionRequest."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    JOIN_GROUP_FIELD_NUMBER: _builtins.int
+    RESERVE_FIELD_NUMBER: _builtins.int
+    ATTEST_FIELD_NUMBER: _builtins.int
+    LEAVE_GROUP_FIELD_NUMBER: _builtins.int
+    GET_GROUP_FIELD_NUMBER: _builtins.int
+    RESTORE_FIELD_NUMBER: _builtins.int
+    RECORD_RESIZE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    JOIN_GROUPS_FIELD_NUMBER: _builtins.int
+    AUDIT_HEAD_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    error: _builtins.bytes
+    """The call failed: a serialized google.rpc.Status, with the same code, message and
+    ErrorInfo that the unary RPC would end with.
+    """
+    audit_head: _builtins.str
+    """What the unary RPC's trailing metadata `rngcoord-audit-head` carries; "" where it carries
+    none.
+    """
+    @_builtins.property
+    def join_group(self) -> Global___JoinGroupResponse: ...
+    @_builtins.property
+    def reserve(self) -> Global___ReserveResponse: ...
+    @_builtins.property
+    def attest(self) -> Global___AttestResponse: ...
+    @_builtins.property
+    def leave_group(self) -> Global___LeaveGroupResponse: ...
+    @_builtins.property
+    def get_group(self) -> Global___GetGroupResponse: ...
+    @_builtins.property
+    def restore(self) -> Global___RestoreResponse: ...
+    @_builtins.property
+    def record_resize(self) -> Global___RecordResizeResponse: ...
+    @_builtins.property
+    def join_groups(self) -> Global___JoinGroupsResponse: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        join_group: Global___JoinGroupResponse | None = ...,
+        reserve: Global___ReserveResponse | None = ...,
+        attest: Global___AttestResponse | None = ...,
+        leave_group: Global___LeaveGroupResponse | None = ...,
+        get_group: Global___GetGroupResponse | None = ...,
+        restore: Global___RestoreResponse | None = ...,
+        record_resize: Global___RecordResizeResponse | None = ...,
+        error: _builtins.bytes = ...,
+        join_groups: Global___JoinGroupsResponse | None = ...,
+        audit_head: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attest", b"attest", "error", b"error", "get_group", b"get_group", "join_group", b"join_group", "join_groups", b"join_groups", "leave_group", b"leave_group", "record_resize", b"record_resize", "reply", b"reply", "reserve", b"reserve", "restore", b"restore"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attest", b"attest", "audit_head", b"audit_head", "error", b"error", "get_group", b"get_group", "id", b"id", "join_group", b"join_group", "join_groups", b"join_groups", "leave_group", b"leave_group", "record_resize", b"record_resize", "reply", b"reply", "reserve", b"reserve", "restore", b"restore"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_reply: _TypeAlias = _typing.Literal["join_group", "reserve", "attest", "leave_group", "get_group", "restore", "record_resize", "error", "join_groups"]  # noqa: Y015
+    _WhichOneofArgType_reply: _TypeAlias = _typing.Literal["reply", b"reply"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_reply) -> _WhichOneofReturnType_reply | None: ...
+
+Global___SessionResponse: _TypeAlias = SessionResponse  # noqa: Y015
 
 @_typing.final
 class JoinGroupRequest(_message.Message):
@@ -222,6 +445,10 @@ class JoinGroupRequest(_message.Message):
     JOB_SEED_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     INCLUDE_MEMBERS_FIELD_NUMBER: _builtins.int
+    MEMBER_SECRET_FIELD_NUMBER: _builtins.int
+    LAUNCH_FIELD_NUMBER: _builtins.int
+    RESTART_COUNT_FIELD_NUMBER: _builtins.int
+    TAKEOVER_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     """The job (training run). Tokens are scoped to it."""
     group: _builtins.str
@@ -244,6 +471,27 @@ class JoinGroupRequest(_message.Message):
     """Return every member id in `members`. Off by default: at 10^5 ranks the list is megabytes
     per reply; `members_digest` identifies the member set in 32 bytes.
     """
+    member_secret: _builtins.bytes
+    """This member's credential: 16 to 64 random bytes that the client draws once per process
+    incarnation (member_id) and sends only to the coordinator. The coordinator keeps only
+    their SHA-256. Every later call as this member (Reserve, Attest, Restore, LeaveGroup), and
+    a retried join, must carry the same bytes; a call with other bytes is refused
+    (BAD_CREDENTIAL). Drawn by the client, not the server, so that a join retried after a lost
+    reply is idempotent without handing the credential to whoever asks as that member id.
+    """
+    launch: _builtins.str
+    """Which launch of the job this rank belongs to: the same string on every rank of one launch
+    (the client uses torchelastic's TORCHELASTIC_RUN_ID, else MASTER_ADDR:MASTER_PORT). An
+    epoch whose members were active within the last 180 s is not replaced by a join of another
+    launch (JOB_IN_USE) unless `takeover` is set. Empty: no launch check (older clients).
+    At most 256 characters.
+    """
+    restart_count: _builtins.int
+    """torchelastic's TORCHELASTIC_RESTART_COUNT: a restart of the same launch replaces the
+    epoch of the launch's previous attempt at once; one of a lower count is refused.
+    """
+    takeover: _builtins.bool
+    """Replace the group's current epoch even if another launch is using it."""
     def __init__(
         self,
         *,
@@ -255,10 +503,14 @@ class JoinGroupRequest(_message.Message):
         job_seed: _builtins.int | None = ...,
         timeout_ms: _builtins.int = ...,
         include_members: _builtins.bool = ...,
+        member_secret: _builtins.bytes = ...,
+        launch: _builtins.str = ...,
+        restart_count: _builtins.int = ...,
+        takeover: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_job_seed", b"_job_seed", "job_seed", b"job_seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_job_seed", b"_job_seed", "group", b"group", "include_members", b"include_members", "job", b"job", "job_seed", b"job_seed", "member_id", b"member_id", "rank", b"rank", "timeout_ms", b"timeout_ms", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_job_seed", b"_job_seed", "group", b"group", "include_members", b"include_members", "job", b"job", "job_seed", b"job_seed", "launch", b"launch", "member_id", b"member_id", "member_secret", b"member_secret", "rank", b"rank", "restart_count", b"restart_count", "takeover", b"takeover", "timeout_ms", b"timeout_ms", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__job_seed: _TypeAlias = _typing.Literal["job_seed"]  # noqa: Y015
     _WhichOneofArgType__job_seed: _TypeAlias = _typing.Literal["_job_seed", b"_job_seed"]  # noqa: Y015
@@ -330,6 +582,7 @@ class ReserveRequest(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     MEMBER_ID_FIELD_NUMBER: _builtins.int
+    MEMBER_SECRET_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     group: _builtins.str
     epoch: _builtins.int
@@ -347,6 +600,8 @@ class ReserveRequest(_message.Message):
     rank: _builtins.int
     """The caller's rank in the epoch, and its member id: both must match the epoch's members."""
     member_id: _builtins.str
+    member_secret: _builtins.bytes
+    """The member's credential, as it joined with (JoinGroupRequest.member_secret)."""
     def __init__(
         self,
         *,
@@ -358,10 +613,11 @@ class ReserveRequest(_message.Message):
         fingerprint: _builtins.bytes = ...,
         rank: _builtins.int = ...,
         member_id: _builtins.str = ...,
+        member_secret: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "fingerprint", b"fingerprint", "group", b"group", "job", b"job", "member_id", b"member_id", "rank", b"rank", "seq", b"seq", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "fingerprint", b"fingerprint", "group", b"group", "job", b"job", "member_id", b"member_id", "member_secret", b"member_secret", "rank", b"rank", "seq", b"seq", "size", b"size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -379,6 +635,7 @@ class AttestRequest(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     MEMBER_ID_FIELD_NUMBER: _builtins.int
+    MEMBER_SECRET_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     group: _builtins.str
     epoch: _builtins.int
@@ -391,6 +648,8 @@ class AttestRequest(_message.Message):
     """The fingerprint of those ops (as in ReserveRequest), 1 to 64 bytes."""
     rank: _builtins.int
     member_id: _builtins.str
+    member_secret: _builtins.bytes
+    """The member's credential, as it joined with (JoinGroupRequest.member_secret)."""
     def __init__(
         self,
         *,
@@ -402,10 +661,11 @@ class AttestRequest(_message.Message):
         fingerprint: _builtins.bytes = ...,
         rank: _builtins.int = ...,
         member_id: _builtins.str = ...,
+        member_secret: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["anchor_seq", b"anchor_seq", "epoch", b"epoch", "fingerprint", b"fingerprint", "group", b"group", "job", b"job", "member_id", b"member_id", "ops", b"ops", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["anchor_seq", b"anchor_seq", "epoch", b"epoch", "fingerprint", b"fingerprint", "group", b"group", "job", b"job", "member_id", b"member_id", "member_secret", b"member_secret", "ops", b"ops", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -425,6 +685,69 @@ class AttestResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AttestResponse: _TypeAlias = AttestResponse  # noqa: Y015
+
+@_typing.final
+class RecordResizeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    SAVED_GROUP_FIELD_NUMBER: _builtins.int
+    SAVED_CURSOR_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    MEMBER_ID_FIELD_NUMBER: _builtins.int
+    MEMBER_SECRET_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    """The group this mesh draws from, and the caller's epoch in it (fenced as for Reserve)."""
+    group: _builtins.str
+    epoch: _builtins.int
+    saved_group: _builtins.str
+    """The checkpoint's group, which this mesh does not join, and its saved stream cursor."""
+    saved_cursor: _builtins.int
+    rank: _builtins.int
+    member_id: _builtins.str
+    member_secret: _builtins.bytes
+    """The member's credential, as it joined with (JoinGroupRequest.member_secret)."""
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        group: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        saved_group: _builtins.str = ...,
+        saved_cursor: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        member_id: _builtins.str = ...,
+        member_secret: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "group", b"group", "job", b"job", "member_id", b"member_id", "member_secret", b"member_secret", "rank", b"rank", "saved_cursor", b"saved_cursor", "saved_group", b"saved_group"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordResizeRequest: _TypeAlias = RecordResizeRequest  # noqa: Y015
+
+@_typing.final
+class RecordResizeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXISTING_FIELD_NUMBER: _builtins.int
+    existing: _builtins.bool
+    """True when this (epoch, saved group) had been recorded already."""
+    def __init__(
+        self,
+        *,
+        existing: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["existing", b"existing"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordResizeResponse: _TypeAlias = RecordResizeResponse  # noqa: Y015
 
 @_typing.final
 class Lease(_message.Message):
@@ -494,11 +817,14 @@ class LeaveGroupRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     MEMBER_ID_FIELD_NUMBER: _builtins.int
+    MEMBER_SECRET_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     group: _builtins.str
     epoch: _builtins.int
     rank: _builtins.int
     member_id: _builtins.str
+    member_secret: _builtins.bytes
+    """The member's credential, as it joined with (JoinGroupRequest.member_secret)."""
     def __init__(
         self,
         *,
@@ -507,10 +833,11 @@ class LeaveGroupRequest(_message.Message):
         epoch: _builtins.int = ...,
         rank: _builtins.int = ...,
         member_id: _builtins.str = ...,
+        member_secret: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "group", b"group", "job", b"job", "member_id", b"member_id", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "group", b"group", "job", b"job", "member_id", b"member_id", "member_secret", b"member_secret", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -644,6 +971,7 @@ class RestoreRequest(_message.Message):
     MEMBER_ID_FIELD_NUMBER: _builtins.int
     FORCE_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    MEMBER_SECRET_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     group: _builtins.str
     epoch: _builtins.int
@@ -660,6 +988,10 @@ class RestoreRequest(_message.Message):
     """How long to wait for the other members' votes, in milliseconds. 0 means the server's
     default join timeout; the server caps it as it caps JoinGroup's.
     """
+    member_secret: _builtins.bytes
+    """The member's credential, as it joined with (JoinGroupRequest.member_secret): one vote per
+    member that holds its own credential.
+    """
     def __init__(
         self,
         *,
@@ -672,10 +1004,11 @@ class RestoreRequest(_message.Message):
         member_id: _builtins.str = ...,
         force: _builtins.bool = ...,
         timeout_ms: _builtins.int = ...,
+        member_secret: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "epoch", b"epoch", "force", b"force", "group", b"group", "job", b"job", "member_id", b"member_id", "rank", b"rank", "seq", b"seq", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "epoch", b"epoch", "force", b"force", "group", b"group", "job", b"job", "member_id", b"member_id", "member_secret", b"member_secret", "rank", b"rank", "seq", b"seq", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -40,6 +40,11 @@ class CoordinatorStub:
                 request_serializer=rngcoord_dot_v1_dot_coordinator__pb2.JoinGroupRequest.SerializeToString,
                 response_deserializer=rngcoord_dot_v1_dot_coordinator__pb2.JoinGroupResponse.FromString,
                 _registered_method=True)
+        self.JoinGroups = channel.unary_unary(
+                '/rngcoord.v1.Coordinator/JoinGroups',
+                request_serializer=rngcoord_dot_v1_dot_coordinator__pb2.JoinGroupsRequest.SerializeToString,
+                response_deserializer=rngcoord_dot_v1_dot_coordinator__pb2.JoinGroupsResponse.FromString,
+                _registered_method=True)
         self.Reserve = channel.unary_unary(
                 '/rngcoord.v1.Coordinator/Reserve',
                 request_serializer=rngcoord_dot_v1_dot_coordinator__pb2.ReserveRequest.SerializeToString,
@@ -70,6 +75,16 @@ class CoordinatorStub:
                 request_serializer=rngcoord_dot_v1_dot_coordinator__pb2.AttestRequest.SerializeToString,
                 response_deserializer=rngcoord_dot_v1_dot_coordinator__pb2.AttestResponse.FromString,
                 _registered_method=True)
+        self.RecordResize = channel.unary_unary(
+                '/rngcoord.v1.Coordinator/RecordResize',
+                request_serializer=rngcoord_dot_v1_dot_coordinator__pb2.RecordResizeRequest.SerializeToString,
+                response_deserializer=rngcoord_dot_v1_dot_coordinator__pb2.RecordResizeResponse.FromString,
+                _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/rngcoord.v1.Coordinator/Session',
+                request_serializer=rngcoord_dot_v1_dot_coordinator__pb2.SessionRequest.SerializeToString,
+                response_deserializer=rngcoord_dot_v1_dot_coordinator__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -81,6 +96,16 @@ class CoordinatorServicer:
         with the same world size, and every one of them gets the same epoch, seed and start
         cursor. Retrying a join whose epoch has formed returns that epoch again. A waiting join
         holds no server thread, and a caller that cancels frees its place at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JoinGroups(self, request, context):
+        """JoinGroups joins several groups of one job in one call (a rank's root mesh and its
+        sub-meshes), each exactly as its own JoinGroup would: it returns once every one has
+        formed, with their results in request order, or fails as the first join that fails, and
+        the other joins are withdrawn.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -129,11 +154,37 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Attest(self, request, context):
-        """Attest records the fingerprint of a member's random ops at an op count (every 1,024 ops
-        since the stream's anchor, the epoch's start or its latest Restore). The first attestation
-        of a count stands; a member that attests other bytes for it makes the epoch diverged
-        (DIVERGENCE, audited), so divergence is caught within a bounded number of ops whatever
-        the lease size. A diverged epoch refuses every later Attest and Reserve.
+        """Attest records the fingerprint of a member's random ops at an op count, a multiple of 1,024
+        since the stream's anchor (the epoch's start or its latest Restore); the client attests at
+        multiples of a power-of-two stride that keeps it near one attestation per 30 s. The first
+        attestation of a count stands; a member that attests other bytes for it makes the epoch
+        diverged (DIVERGENCE, audited), so divergence is caught within a bounded number of ops
+        whatever the lease size. A diverged epoch refuses every later Attest and Reserve.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordResize(self, request, context):
+        """RecordResize audits a resume that could not rewind: a checkpoint saved in `saved_group`,
+        which this mesh never joins (a job resumed on another mesh under the offsets policy), so
+        `group` continues from its own position instead of the saved cursor. Recorded once per
+        (epoch, saved group) as audit kind `resize`; a repeat returns `existing`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """Session carries a process's member calls as messages on one stream, multiplexed by
+        request id: the same calls, served by the same code, with the same auth, limits and errors
+        as the unary RPCs, at a fraction of a call's cost. Each request is answered once, in any
+        order; the stream's metadata (the bearer token) is checked for every request. A stream
+        holds at most 4,096 requests at once (served, or answered and not yet read), and reads no
+        more while 64 answers wait to be read; each peer host may hold a bounded number of
+        sessions open (TOO_MANY_STREAMS). When a stream
+        breaks, its unanswered requests may be sent again on a new one: every member call is
+        idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -146,6 +197,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.JoinGroup,
                     request_deserializer=rngcoord_dot_v1_dot_coordinator__pb2.JoinGroupRequest.FromString,
                     response_serializer=rngcoord_dot_v1_dot_coordinator__pb2.JoinGroupResponse.SerializeToString,
+            ),
+            'JoinGroups': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinGroups,
+                    request_deserializer=rngcoord_dot_v1_dot_coordinator__pb2.JoinGroupsRequest.FromString,
+                    response_serializer=rngcoord_dot_v1_dot_coordinator__pb2.JoinGroupsResponse.SerializeToString,
             ),
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
@@ -177,6 +233,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=rngcoord_dot_v1_dot_coordinator__pb2.AttestRequest.FromString,
                     response_serializer=rngcoord_dot_v1_dot_coordinator__pb2.AttestResponse.SerializeToString,
             ),
+            'RecordResize': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordResize,
+                    request_deserializer=rngcoord_dot_v1_dot_coordinator__pb2.RecordResizeRequest.FromString,
+                    response_serializer=rngcoord_dot_v1_dot_coordinator__pb2.RecordResizeResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=rngcoord_dot_v1_dot_coordinator__pb2.SessionRequest.FromString,
+                    response_serializer=rngcoord_dot_v1_dot_coordinator__pb2.SessionResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'rngcoord.v1.Coordinator', rpc_method_handlers)
@@ -206,6 +272,33 @@ class Coordinator:
             '/rngcoord.v1.Coordinator/JoinGroup',
             rngcoord_dot_v1_dot_coordinator__pb2.JoinGroupRequest.SerializeToString,
             rngcoord_dot_v1_dot_coordinator__pb2.JoinGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinGroups(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rngcoord.v1.Coordinator/JoinGroups',
+            rngcoord_dot_v1_dot_coordinator__pb2.JoinGroupsRequest.SerializeToString,
+            rngcoord_dot_v1_dot_coordinator__pb2.JoinGroupsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -368,6 +461,60 @@ class Coordinator:
             '/rngcoord.v1.Coordinator/Attest',
             rngcoord_dot_v1_dot_coordinator__pb2.AttestRequest.SerializeToString,
             rngcoord_dot_v1_dot_coordinator__pb2.AttestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordResize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rngcoord.v1.Coordinator/RecordResize',
+            rngcoord_dot_v1_dot_coordinator__pb2.RecordResizeRequest.SerializeToString,
+            rngcoord_dot_v1_dot_coordinator__pb2.RecordResizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/rngcoord.v1.Coordinator/Session',
+            rngcoord_dot_v1_dot_coordinator__pb2.SessionRequest.SerializeToString,
+            rngcoord_dot_v1_dot_coordinator__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

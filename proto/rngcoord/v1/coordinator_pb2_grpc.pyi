@@ -76,6 +76,12 @@ class CoordinatorStub:
     cursor. Retrying a join whose epoch has formed returns that epoch again. A waiting join
     holds no server thread, and a caller that cancels frees its place at once.
     """
+    JoinGroups: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.JoinGroupsRequest, _coordinator_pb2.JoinGroupsResponse]
+    """JoinGroups joins several groups of one job in one call (a rank's root mesh and its
+    sub-meshes), each exactly as its own JoinGroup would: it returns once every one has
+    formed, with their results in request order, or fails as the first join that fails, and
+    the other joins are withdrawn.
+    """
     Reserve: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReserveRequest, _coordinator_pb2.ReserveResponse]
     """Reserve returns the lease for (group, epoch, seq). The first request allocates it
     durably; later requests for the same key read it back without a write.
@@ -97,11 +103,29 @@ class CoordinatorStub:
     ListAudit: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.ListAuditRequest, _coordinator_pb2.AuditRecord]
     """ListAudit streams audit records in chain order, oldest first."""
     Attest: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AttestRequest, _coordinator_pb2.AttestResponse]
-    """Attest records the fingerprint of a member's random ops at an op count (every 1,024 ops
-    since the stream's anchor, the epoch's start or its latest Restore). The first attestation
-    of a count stands; a member that attests other bytes for it makes the epoch diverged
-    (DIVERGENCE, audited), so divergence is caught within a bounded number of ops whatever
-    the lease size. A diverged epoch refuses every later Attest and Reserve.
+    """Attest records the fingerprint of a member's random ops at an op count, a multiple of 1,024
+    since the stream's anchor (the epoch's start or its latest Restore); the client attests at
+    multiples of a power-of-two stride that keeps it near one attestation per 30 s. The first
+    attestation of a count stands; a member that attests other bytes for it makes the epoch
+    diverged (DIVERGENCE, audited), so divergence is caught within a bounded number of ops
+    whatever the lease size. A diverged epoch refuses every later Attest and Reserve.
+    """
+    RecordResize: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RecordResizeRequest, _coordinator_pb2.RecordResizeResponse]
+    """RecordResize audits a resume that could not rewind: a checkpoint saved in `saved_group`,
+    which this mesh never joins (a job resumed on another mesh under the offsets policy), so
+    `group` continues from its own position instead of the saved cursor. Recorded once per
+    (epoch, saved group) as audit kind `resize`; a repeat returns `existing`.
+    """
+    Session: _grpc.StreamStreamMultiCallable[_coordinator_pb2.SessionRequest, _coordinator_pb2.SessionResponse]
+    """Session carries a process's member calls as messages on one stream, multiplexed by
+    request id: the same calls, served by the same code, with the same auth, limits and errors
+    as the unary RPCs, at a fraction of a call's cost. Each request is answered once, in any
+    order; the stream's metadata (the bearer token) is checked for every request. A stream
+    holds at most 4,096 requests at once (served, or answered and not yet read), and reads no
+    more while 64 answers wait to be read; each peer host may hold a bounded number of
+    sessions open (TOO_MANY_STREAMS). When a stream
+    breaks, its unanswered requests may be sent again on a new one: every member call is
+    idempotent.
     """
 
 @_typing.type_check_only
@@ -114,6 +138,12 @@ class CoordinatorAsyncStub(CoordinatorStub):
     with the same world size, and every one of them gets the same epoch, seed and start
     cursor. Retrying a join whose epoch has formed returns that epoch again. A waiting join
     holds no server thread, and a caller that cancels frees its place at once.
+    """
+    JoinGroups: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.JoinGroupsRequest, _coordinator_pb2.JoinGroupsResponse]  # type: ignore[assignment]
+    """JoinGroups joins several groups of one job in one call (a rank's root mesh and its
+    sub-meshes), each exactly as its own JoinGroup would: it returns once every one has
+    formed, with their results in request order, or fails as the first join that fails, and
+    the other joins are withdrawn.
     """
     Reserve: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReserveRequest, _coordinator_pb2.ReserveResponse]  # type: ignore[assignment]
     """Reserve returns the lease for (group, epoch, seq). The first request allocates it
@@ -136,11 +166,29 @@ class CoordinatorAsyncStub(CoordinatorStub):
     ListAudit: _aio.UnaryStreamMultiCallable[_coordinator_pb2.ListAuditRequest, _coordinator_pb2.AuditRecord]  # type: ignore[assignment]
     """ListAudit streams audit records in chain order, oldest first."""
     Attest: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AttestRequest, _coordinator_pb2.AttestResponse]  # type: ignore[assignment]
-    """Attest records the fingerprint of a member's random ops at an op count (every 1,024 ops
-    since the stream's anchor, the epoch's start or its latest Restore). The first attestation
-    of a count stands; a member that attests other bytes for it makes the epoch diverged
-    (DIVERGENCE, audited), so divergence is caught within a bounded number of ops whatever
-    the lease size. A diverged epoch refuses every later Attest and Reserve.
+    """Attest records the fingerprint of a member's random ops at an op count, a multiple of 1,024
+    since the stream's anchor (the epoch's start or its latest Restore); the client attests at
+    multiples of a power-of-two stride that keeps it near one attestation per 30 s. The first
+    attestation of a count stands; a member that attests other bytes for it makes the epoch
+    diverged (DIVERGENCE, audited), so divergence is caught within a bounded number of ops
+    whatever the lease size. A diverged epoch refuses every later Attest and Reserve.
+    """
+    RecordResize: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RecordResizeRequest, _coordinator_pb2.RecordResizeResponse]  # type: ignore[assignment]
+    """RecordResize audits a resume that could not rewind: a checkpoint saved in `saved_group`,
+    which this mesh never joins (a job resumed on another mesh under the offsets policy), so
+    `group` continues from its own position instead of the saved cursor. Recorded once per
+    (epoch, saved group) as audit kind `resize`; a repeat returns `existing`.
+    """
+    Session: _aio.StreamStreamMultiCallable[_coordinator_pb2.SessionRequest, _coordinator_pb2.SessionResponse]  # type: ignore[assignment]
+    """Session carries a process's member calls as messages on one stream, multiplexed by
+    request id: the same calls, served by the same code, with the same auth, limits and errors
+    as the unary RPCs, at a fraction of a call's cost. Each request is answered once, in any
+    order; the stream's metadata (the bearer token) is checked for every request. A stream
+    holds at most 4,096 requests at once (served, or answered and not yet read), and reads no
+    more while 64 answers wait to be read; each peer host may hold a bounded number of
+    sessions open (TOO_MANY_STREAMS). When a stream
+    breaks, its unanswered requests may be sent again on a new one: every member call is
+    idempotent.
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -156,6 +204,18 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         with the same world size, and every one of them gets the same epoch, seed and start
         cursor. Retrying a join whose epoch has formed returns that epoch again. A waiting join
         holds no server thread, and a caller that cancels frees its place at once.
+        """
+
+    @_abc_1.abstractmethod
+    def JoinGroups(
+        self,
+        request: _coordinator_pb2.JoinGroupsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.JoinGroupsResponse, _abc.Awaitable[_coordinator_pb2.JoinGroupsResponse]]:
+        """JoinGroups joins several groups of one job in one call (a rank's root mesh and its
+        sub-meshes), each exactly as its own JoinGroup would: it returns once every one has
+        formed, with their results in request order, or fails as the first join that fails, and
+        the other joins are withdrawn.
         """
 
     @_abc_1.abstractmethod
@@ -214,11 +274,41 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.AttestRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.AttestResponse, _abc.Awaitable[_coordinator_pb2.AttestResponse]]:
-        """Attest records the fingerprint of a member's random ops at an op count (every 1,024 ops
-        since the stream's anchor, the epoch's start or its latest Restore). The first attestation
-        of a count stands; a member that attests other bytes for it makes the epoch diverged
-        (DIVERGENCE, audited), so divergence is caught within a bounded number of ops whatever
-        the lease size. A diverged epoch refuses every later Attest and Reserve.
+        """Attest records the fingerprint of a member's random ops at an op count, a multiple of 1,024
+        since the stream's anchor (the epoch's start or its latest Restore); the client attests at
+        multiples of a power-of-two stride that keeps it near one attestation per 30 s. The first
+        attestation of a count stands; a member that attests other bytes for it makes the epoch
+        diverged (DIVERGENCE, audited), so divergence is caught within a bounded number of ops
+        whatever the lease size. A diverged epoch refuses every later Attest and Reserve.
+        """
+
+    @_abc_1.abstractmethod
+    def RecordResize(
+        self,
+        request: _coordinator_pb2.RecordResizeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RecordResizeResponse, _abc.Awaitable[_coordinator_pb2.RecordResizeResponse]]:
+        """RecordResize audits a resume that could not rewind: a checkpoint saved in `saved_group`,
+        which this mesh never joins (a job resumed on another mesh under the offsets policy), so
+        `group` continues from its own position instead of the saved cursor. Recorded once per
+        (epoch, saved group) as audit kind `resize`; a repeat returns `existing`.
+        """
+
+    @_abc_1.abstractmethod
+    def Session(
+        self,
+        request_iterator: _MaybeAsyncIterator[_coordinator_pb2.SessionRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_coordinator_pb2.SessionResponse], _abc.AsyncIterator[_coordinator_pb2.SessionResponse]]:
+        """Session carries a process's member calls as messages on one stream, multiplexed by
+        request id: the same calls, served by the same code, with the same auth, limits and errors
+        as the unary RPCs, at a fraction of a call's cost. Each request is answered once, in any
+        order; the stream's metadata (the bearer token) is checked for every request. A stream
+        holds at most 4,096 requests at once (served, or answered and not yet read), and reads no
+        more while 64 answers wait to be read; each peer host may hold a bounded number of
+        sessions open (TOO_MANY_STREAMS). When a stream
+        breaks, its unanswered requests may be sent again on a new one: every member call is
+        idempotent.
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -20,9 +20,11 @@ __all__ = [
     "DOMAIN",
     "MAX_FINGERPRINT",
     "MAX_OFFSET",
+    "MAX_SECRET",
     "MAX_SEQ",
     "MAX_WORLD_SIZE",
     "MEMBER_ID_PATTERN",
+    "MIN_SECRET",
     "NAME_PATTERN",
     "U64_LIMIT",
     "RuleViolation",
@@ -30,6 +32,7 @@ __all__ = [
     "check_cursor",
     "check_fingerprint",
     "check_member_id",
+    "check_member_secret",
     "check_name",
     "check_rank",
     "check_seq",
@@ -57,6 +60,12 @@ MAX_WORLD_SIZE: Final = 1 << 20
 
 MAX_FINGERPRINT: Final = 64
 """The longest op-sequence fingerprint, in bytes."""
+
+MIN_SECRET: Final = 16
+"""The shortest member credential, in bytes: 128 random bits."""
+
+MAX_SECRET: Final = 64
+"""The longest member credential, in bytes."""
 
 NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@,\[\]-]{0,127}")
 """Job and group names: 1 to 128 characters, starting with a letter or digit."""
@@ -173,4 +182,18 @@ def check_fingerprint(value: bytes) -> bytes:
     """An op-sequence fingerprint: 1 to :data:`MAX_FINGERPRINT` bytes."""
     if not isinstance(value, bytes) or not 1 <= len(value) <= MAX_FINGERPRINT:
         raise RuleViolation("fingerprint", value, f"be 1 to {MAX_FINGERPRINT} bytes")
+    return value
+
+
+def check_member_secret(value: bytes) -> bytes:
+    """A member's credential: :data:`MIN_SECRET` to :data:`MAX_SECRET` bytes. A refusal names
+    only its length, never its bytes."""
+    if not isinstance(value, bytes) or not MIN_SECRET <= len(value) <= MAX_SECRET:
+        shown = f"<{len(value)} bytes>" if isinstance(value, bytes) else type(value).__name__
+        raise RuleViolation(
+            "member_secret",
+            shown,
+            f"be {MIN_SECRET} to {MAX_SECRET} random bytes, drawn once per member_id and sent "
+            "with every call as that member",
+        )
     return value

@@ -17,7 +17,11 @@ from grpc_status import rpc_status
 
 from rngcoord.v1.rules import DOMAIN
 
-__all__ = ["ErrorInfo", "error_info", "rich_status"]
+__all__ = ["HEAD_TRAILER", "ErrorInfo", "error_info", "rich_status"]
+
+HEAD_TRAILER = "rngcoord-audit-head"
+"""The trailing metadata key of the audit chain's head, "STORE_ID:RECORD_ID:HASH:MAC", on
+JoinGroup and Reserve replies and on every refusal (coordinator.proto)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,6 @@ status 0.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import resource
@@ -43,21 +42,30 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rngcoord.server import audit
+from rngcoord.server import anchors, audit
 from rngcoord.server.addresses import join_host_port, redact_url, split_host_port
 from rngcoord.server.auth import TokenTable, load_tokens
+from rngcoord.server.connections import ConnectionGuard
 from rngcoord.server.coordinator import Coordinator
 from rngcoord.server.floors import apply_floors, read_floors
-from rngcoord.server.gate import Gate, PeerRateLimit
+from rngcoord.server.gate import Gate, PeerActivity, PeerRateLimit, RefusalLog, StreamCaps
 from rngcoord.server.logs import configure, event, get_logger
 from rngcoord.server.metrics import Metrics
 from rngcoord.server.service import CoordinatorServicer
 from rngcoord.server.status import StatusServer
-from rngcoord.server.store import Store
+from rngcoord.server.store import Store, StoreNotFound
 from rngcoord.server.stores import open_store
 from rngcoord.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-__all__ = ["RunningServer", "ServerOptions", "TLSConfig", "run_server", "serve", "start_server"]
+__all__ = [
+    "RunningServer",
+    "ServerFailed",
+    "ServerOptions",
+    "TLSConfig",
+    "run_server",
+    "serve",
+    "start_server",
+]
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
@@ -71,6 +79,8 @@ _FDS_KEPT = 256
 connections, log files and the metrics endpoint must always find one."""
 _HEALTH_POLL_S = 0.25
 _ANCHOR_EVERY_S = 1.0
+# EX_SOFTWARE: the process could not go on serving, and should be started again.
+_EXIT_FAILED = 70
 
 
 @dataclass(frozen=True)
@@ -120,7 +130,12 @@ class ServerOptions:
         audit_key: file holding the audit chain's HMAC key (created with `init` when
             missing). Default None: the chain is unkeyed, which is logged as a warning.
         anchor_file: append-only file that receives the signed head of the audit chain
-            whenever it moved (at most once a second). Default None: heads go to the log only.
+            whenever it moved (at most once a second), and whose newest anchors the server
+            checks its store against at start. Default None: `PATH.anchors.jsonl` beside an
+            SQLite store; the log only for PostgreSQL.
+        anchors: more anchors to check the store against at start (`serve --anchor`):
+            another server's anchor file or log, or audit heads kept in checkpoints.
+            Default ().
         floor_from: audit exports (`rngcoord audit --json`) or `JOB GROUP OFFSET` files whose
             offsets new groups must start above (recovery after losing a store). Default ().
         max_connections: most client connections this process holds. Default None: the
@@ -137,6 +152,19 @@ class ServerOptions:
         status_open: serve the status page and its API without a token even when there is
             a token file (`--status-open`). Default False: they need an auditor or admin
             token (and are open only when there is no token file at all).
+        max_connections_per_host: most client connections of one peer host; the guard
+            (rngcoord.server.connections) closes the newest past it. Default None: a quarter
+            of `max_connections`.
+        crowded_idle_timeout_s: while the process holds more than half its connection cap,
+            a connection with no call for this long is closed. Default 10.
+        max_audit_streams_per_host: most ListAudit streams one peer host may hold open.
+            Default 16.
+        max_audit_streams: most ListAudit streams the process holds open. Default 256.
+        audit_stall_s: a ListAudit stream whose client takes no record for this long is
+            ended. Default 60.
+        max_sessions_per_host: most Session streams one peer host may hold open (a client
+            process holds one per coordinator target). Default 128.
+        max_sessions: most Session streams the process holds open. Default 16384.
     """
 
     listen: str
@@ -151,6 +179,7 @@ class ServerOptions:
     init: bool = False
     audit_key: Path | None = None
     anchor_file: Path | None = None
+    anchors: tuple[Path, ...] = ()
     floor_from: tuple[Path, ...] = ()
     max_connections: int | None = None
     handshake_timeout_s: float = 10.0
@@ -161,6 +190,13 @@ class ServerOptions:
     reuse_port: bool = False
     worker: int = 0
     status_open: bool = False
+    max_connections_per_host: int | None = None
+    crowded_idle_timeout_s: float = 10.0
+    max_audit_streams_per_host: int = 16
+    max_audit_streams: int = 256
+    audit_stall_s: float = 60.0
+    max_sessions_per_host: int = 128
+    max_sessions: int = 16384
 
 
 def open_for_serving(options: ServerOptions) -> tuple[Store, audit.Chain]:
@@ -170,7 +206,9 @@ def open_for_serving(options: ServerOptions) -> tuple[Store, audit.Chain]:
 
     Raises:
         StoreNotFound: no store, and no `init`.
-        OSError, ValueError: an unreadable or malformed key or floor file, or the wrong key.
+        StoreRolledBack: the store's chain lacks what its anchor file last anchored.
+        OSError, ValueError: an unreadable or malformed key or floor file, the wrong key, or
+            keying state that disagrees with the chain.
     """
     key = None
     if options.audit_key is not None:
@@ -183,13 +221,47 @@ def open_for_serving(options: ServerOptions) -> tuple[Store, audit.Chain]:
     try:
         now_us = time.time_ns() // 1000
         actor = f"rngcoord serve pid {os.getpid()}"
-        chain = audit.open_chain(store, key, now_us=now_us, actor=actor)
+        try:
+            chain = audit.open_chain(store, key, now_us=now_us, actor=actor, init=options.init)
+            anchors.check_store(
+                store,
+                chain,
+                _anchors_at_start(options),
+                init=options.init,
+                given=anchors.read_anchor_files(list(options.anchors), missing_ok=False),
+            )
+        except Exception as exc:
+            if not store.is_unavailable(exc):
+                raise
+            raise StoreNotFound(
+                f"the store at {store.location} cannot be read ({exc}): its tables are damaged "
+                "or gone. Restore it from a backup, or recover on a new store with "
+                "`rngcoord serve --init --floor-from AUDIT_EXPORT`"
+            ) from exc
         if floors:
             apply_floors(store, chain, floors, now_us=now_us, actor=actor)
     except BaseException:
         store.close()
         raise
     return store, chain
+
+
+def anchor_file(options: ServerOptions) -> Path | None:
+    """Where this server anchors its chain: `--anchor-file`, else beside an SQLite store."""
+    if options.anchor_file is not None:
+        return options.anchor_file
+    return anchors.default_anchor_file(options.db_url)
+
+
+# The newest anchors are at the end of the file; 1 MiB holds thousands of them.
+_ANCHOR_TAIL_BYTES = 1 << 20
+
+
+def _anchors_at_start(options: ServerOptions) -> list[dict[str, Any]]:
+    path = anchor_file(options)
+    if path is None:
+        return []
+    return anchors.read_anchor_files([path], missing_ok=True, tail_bytes=_ANCHOR_TAIL_BYTES)
 
 
 def raise_fd_limit() -> int:
@@ -203,11 +275,20 @@ def raise_fd_limit() -> int:
     return hard
 
 
-def grpc_options(options: ServerOptions, fd_limit: int) -> list[tuple[str, int]]:
-    """The gRPC core settings that bound what one client, or many, can take from a process."""
+def connection_caps(options: ServerOptions, fd_limit: int) -> tuple[int, int]:
+    """(connections per process, connections per peer host) under `options`."""
     max_connections = options.max_connections
     if max_connections is None:
         max_connections = max(16, fd_limit - _FDS_KEPT)
+    per_host = options.max_connections_per_host
+    if per_host is None:
+        per_host = max(1, max_connections // 4)
+    return max_connections, min(per_host, max_connections)
+
+
+def grpc_options(options: ServerOptions, fd_limit: int) -> list[tuple[str, int]]:
+    """The gRPC core settings that bound what one client, or many, can take from a process."""
+    max_connections, _ = connection_caps(options, fd_limit)
     return [
         ("grpc.so_reuseport", 1 if options.reuse_port else 0),
         # A waiting JoinGroup keeps its stream open; a process whose many ranks share one
@@ -224,7 +305,9 @@ def grpc_options(options: ServerOptions, fd_limit: int) -> list[tuple[str, int]]
         ("grpc.server_max_unrequested_time_in_server", _MAX_QUEUED_S),
         # Connections past the cap are closed at accept, so idle sockets can never take the
         # file descriptors that the store and the accepted clients need; one that never
-        # completes its HTTP/2 handshake is dropped after the handshake timeout.
+        # completes its HTTP/2 handshake is dropped after the handshake timeout. gRPC closes
+        # them whoever they come from: the connection guard (rngcoord.server.connections)
+        # keeps one host from taking every place, and keeps places free below the cap.
         ("grpc.max_allowed_incoming_connections", max_connections),
         ("grpc.server_handshake_timeout_ms", round(options.handshake_timeout_s * 1000)),
         ("grpc.max_connection_idle_ms", round(options.idle_timeout_s * 1000)),
@@ -245,6 +328,7 @@ async def run_server(
     grace_s: float = 10.0,
     metrics: Metrics | None = None,
     reload: asyncio.Event | None = None,
+    token_loader: Callable[[Path], TokenTable] = load_tokens,
 ) -> None:
     """Serve `options` on the running loop until `stop` is set, then drain and close.
 
@@ -257,6 +341,9 @@ async def run_server(
         metrics: where outcomes are counted. Default: a fresh `Metrics`.
         reload: set it to read the token file again (SIGHUP); a file that no longer parses
             is logged and the tokens in use stay. Default None.
+        token_loader: reads `options.tokens`, at start and on each reload. Default
+            `load_tokens`; the workers of `rngcoord serve --workers N` use the table their
+            supervisor read instead (rngcoord.server.workers).
 
     Raises:
         StoreNotFound: no store at `options.db_url`, and `options.init` is False.
@@ -265,7 +352,7 @@ async def run_server(
     """
     host, _ = split_host_port(options.listen)
     metrics = metrics if metrics is not None else Metrics()
-    tokens = load_tokens(options.tokens) if options.tokens is not None else None
+    tokens = token_loader(options.tokens) if options.tokens is not None else None
     if tokens is None and options.worker == 0:
         event(_log, logging.WARNING, "auth_disabled", hint="pass --tokens or set RNGCOORD_TOKENS")
     if options.audit_key is None and options.worker == 0:
@@ -276,12 +363,15 @@ async def run_server(
             hint="pass --audit-key or set RNGCOORD_AUDIT_KEY: without it, whoever can write "
             "the database can rewrite the chain and rehash it",
         )
+    activity = PeerActivity()
+    refusals = RefusalLog()
     gate = Gate(
         tokens=tokens,
         rate_limit=PeerRateLimit(options.peer_rate, options.peer_burst)
         if options.peer_rate > 0
         else None,
         on_refuse=metrics.error,
+        activity=activity,
     )
     credentials = options.tls.credentials() if options.tls is not None else None
     fd_limit = raise_fd_limit()
@@ -290,6 +380,8 @@ async def run_server(
     store, chain = await loop.run_in_executor(None, open_for_serving, options)
     coordinator = Coordinator(
         store,
+        # One process logs the group events that every process follows: worker 0.
+        log_changes=options.worker == 0,
         join_timeout_s=options.join_timeout_s,
         max_join_timeout_s=options.max_join_timeout_s,
         staleness_s=options.staleness_s,
@@ -301,9 +393,22 @@ async def run_server(
     try:
         await coordinator.start()
         server = grpc.aio.server(interceptors=[gate], options=grpc_options(options, fd_limit))
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-            CoordinatorServicer(coordinator, metrics), server
+        servicer = CoordinatorServicer(
+            coordinator,
+            metrics,
+            audit_streams=StreamCaps(
+                options.max_audit_streams_per_host, options.max_audit_streams, refusals=refusals
+            ),
+            audit_stall_s=options.audit_stall_s,
+            sessions=StreamCaps(
+                options.max_sessions_per_host,
+                options.max_sessions,
+                refusals=refusals,
+                method="Session",
+            ),
+            admit=gate.admit,
         )
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
@@ -313,7 +418,11 @@ async def run_server(
         metrics_address = None
         if options.metrics_listen is not None:
             status_http = StatusServer(
-                coordinator, metrics.registry, tokens, open_access=options.status_open
+                coordinator,
+                metrics.registry,
+                tokens,
+                open_access=options.status_open,
+                tls=options.tls,
             )
             metrics_address = await status_http.start(*split_host_port(options.metrics_listen))
             if status_http.is_open and options.worker == 0:
@@ -326,11 +435,26 @@ async def run_server(
                 )
         await server.start()
         await _set_health(health_servicer, True)
-        tasks.append(loop.create_task(_keep_health(coordinator, health_servicer)))
-        tasks.append(loop.create_task(_write_anchors(coordinator, options.anchor_file)))
+        failed: list[str] = []
+        tasks.append(loop.create_task(_keep_health(coordinator, health_servicer, stop, failed)))
+        max_connections, per_host = connection_caps(options, fd_limit)
+        guard = ConnectionGuard(
+            port,
+            max_connections=max_connections,
+            per_host=per_host,
+            crowded_idle_s=options.crowded_idle_timeout_s,
+            activity=activity,
+            refusals=refusals,
+        )
+        tasks.append(loop.create_task(guard.run()))
+        if options.worker == 0:  # one writer of anchors, which sees every worker's head
+            last = anchors.last_anchored_id(_anchors_at_start(options), store.store_id)
+            tasks.append(loop.create_task(_write_anchors(coordinator, anchor_file(options), last)))
         if reload is not None:
             tasks.append(
-                loop.create_task(_reload_tokens(reload, options.tokens, gate, status_http))
+                loop.create_task(
+                    _reload_tokens(reload, options.tokens, gate, status_http, token_loader)
+                )
             )
         address = join_host_port(host, port)
         event(
@@ -341,7 +465,9 @@ async def run_server(
             db=redact_url(options.db_url),
             store_id=store.store_id,
             audit_key=chain.key is not None,
-            metrics=metrics_address or "off",
+            # A worker of `--workers N` leaves the HTTP side to its supervisor, whose
+            # `workers_serving` line names it.
+            metrics=metrics_address or ("supervisor" if options.reuse_port else "off"),
             auth="tokens" if tokens is not None else "off",
             tls="off"
             if options.tls is None
@@ -349,6 +475,8 @@ async def run_server(
             worker=options.worker,
             pid=os.getpid(),
             fd_limit=fd_limit,
+            max_connections=max_connections,
+            max_connections_per_host=per_host,
         )
         if started is not None:
             started(address, metrics_address)
@@ -357,6 +485,8 @@ async def run_server(
             task.cancel()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace_s)
+        if failed:
+            raise ServerFailed(failed[0])
     finally:
         for task in tasks:
             task.cancel()
@@ -378,11 +508,26 @@ async def _set_health(servicer: Any, serving: bool) -> None:
         await servicer.set(name, status)
 
 
-async def _keep_health(coordinator: Coordinator, servicer: Any) -> None:
-    """Report NOT_SERVING while the store is lost or its writes fail, SERVING otherwise."""
+class ServerFailed(RuntimeError):
+    """The server stopped because it could no longer serve (its store's writer died); the
+    process exits non-zero so that its supervisor or container runtime starts a fresh one."""
+
+
+async def _keep_health(
+    coordinator: Coordinator, servicer: Any, stop: asyncio.Event, failed: list[str]
+) -> None:
+    """Report NOT_SERVING while the store is lost, its writes fail or stall, SERVING
+    otherwise; on a fatal problem, report NOT_SERVING, record it in `failed` and stop."""
     serving = True
     while True:
         await asyncio.sleep(_HEALTH_POLL_S)
+        fatal = coordinator.fatal
+        if fatal is not None:
+            await _set_health(servicer, False)
+            event(_log, logging.CRITICAL, "exiting", reason=fatal)
+            failed.append(fatal)
+            stop.set()
+            return
         problem = coordinator.health_problem
         if serving != (problem is None):
             serving = problem is None
@@ -393,14 +538,13 @@ async def _keep_health(coordinator: Coordinator, servicer: Any) -> None:
                 event(_log, logging.INFO, "serving_again")
 
 
-async def _write_anchors(coordinator: Coordinator, path: Path | None) -> None:
-    """Each second the head moved, write it signed: a JSON line appended to `path` (opened
-    O_APPEND, so several workers' lines never interleave) and a log event `audit_anchor`."""
-    written = -1
+async def _write_anchors(coordinator: Coordinator, path: Path | None, written: int) -> None:
+    """Each second the head moved past `written`, write it signed: a JSON line appended to
+    `path` and a log event `audit_anchor`."""
     while True:
         await asyncio.sleep(_ANCHOR_EVERY_S)
         record_id, record_hash = coordinator.head
-        if record_id == written:
+        if record_id <= written:
             continue
         written = record_id
         anchor: dict[str, Any] = {
@@ -411,21 +555,18 @@ async def _write_anchors(coordinator: Coordinator, path: Path | None) -> None:
         }
         event(_log, logging.INFO, "audit_anchor", **anchor)
         if path is not None:
-            line = json.dumps({"ts_us": time.time_ns() // 1000, **anchor}, sort_keys=True)
-            await asyncio.get_running_loop().run_in_executor(None, _append_line, path, line)
-
-
-def _append_line(path: Path, line: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            line = {"ts_us": time.time_ns() // 1000, **anchor}
+            await asyncio.get_running_loop().run_in_executor(
+                None, anchors.append_anchor, path, line
+            )
 
 
 async def _reload_tokens(
-    reload: asyncio.Event, path: Path | None, gate: Gate, status_http: StatusServer | None
+    reload: asyncio.Event,
+    path: Path | None,
+    gate: Gate,
+    status_http: StatusServer | None,
+    token_loader: Callable[[Path], TokenTable] = load_tokens,
 ) -> None:
     while True:
         await reload.wait()
@@ -434,7 +575,7 @@ async def _reload_tokens(
             event(_log, logging.INFO, "tokens_not_reloaded", reason="no token file (--tokens)")
             continue
         try:
-            table: TokenTable = load_tokens(path)
+            table: TokenTable = token_loader(path)
         except (OSError, ValueError) as exc:
             event(_log, logging.ERROR, "tokens_reload_failed", error=str(exc), kept="previous")
             continue
@@ -544,12 +685,17 @@ async def _serve_here(options: ServerOptions, ready_file: Path | None, grace_s: 
         loop.add_signal_handler(signum, on_signal, signum)
     reload = asyncio.Event()
     loop.add_signal_handler(signal.SIGHUP, reload.set)
+    # `rngcoord serve` blocked SIGHUP first thing; one held since then is a reload now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
 
     def started(address: str, _metrics: str | None) -> None:
         if ready_file is not None:
             write_atomically(ready_file, address)
 
-    await run_server(options, stop, started=started, grace_s=grace_s, reload=reload)
+    try:
+        await run_server(options, stop, started=started, grace_s=grace_s, reload=reload)
+    except ServerFailed:
+        return _EXIT_FAILED
     event(_log, logging.INFO, "stopped")
     return 0
 

@@ -29,15 +29,16 @@ import functools
 import hashlib
 import hmac
 import json
-import math
 import os
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
+from rngcoord.server.errors import InvalidArgument
 from rngcoord.server.store import Store, Tx
+from rngcoord.v1.rules import RuleViolation, check_name
 from rngcoord.v1.types import AuditRecord, canonical_json
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "KINDS",
     "AuditRecord",
     "Chain",
+    "Pages",
     "anchor_message",
     "canonical_json",
     "fetch_page",
@@ -71,6 +73,7 @@ KINDS = (
     "join_timeout",
     "key",
     "floor",
+    "resize",
 )
 
 
@@ -205,12 +208,12 @@ class Chain:
         record_id, prev_hash = head[0] + 1, head[1]
         detail_json = canonical_json(detail)
         digest = self.digest(record_id, ts_us, job, group, kind, actor, detail_json, prev_hash)
-        tx.execute(
+        tx.write(
             "INSERT INTO audit (id, ts_us, job, grp, kind, actor, detail, prev_hash, hash) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (record_id, ts_us, job, group, kind, actor, detail_json, prev_hash, digest),
         )
-        tx.execute(
+        tx.write(
             "UPDATE audit_head SET last_id = ?, last_hash = ? WHERE id = 1", (record_id, digest)
         )
         return record_id, digest
@@ -221,12 +224,49 @@ def read_meta(tx: Tx) -> dict[str, str]:
     return {str(name): str(value) for name, value in tx.fetchall("SELECT name, value FROM meta")}
 
 
-def open_chain(store: Store, key: bytes | None, *, now_us: int, actor: str) -> Chain:
+def keying_problem(tx: Tx, chain: Chain) -> str | None:
+    """Why the keyed part of the chain disagrees with `chain`'s key, or None.
+
+    The keying state in `meta` (key id, `keyed_from`) is not trusted by itself: record
+    `keyed_from` must be the chain's `key` record, naming this key and MACed under it. Its MAC
+    covers its id and its `prev_hash`, so whoever lacks the key can neither move `keyed_from`
+    past records they rewrote (there is no other MACed `key` record to point at) nor rewrite
+    the unkeyed records before it.
+    """
+    if chain.key is None:
+        return None
+    head = tx.fetchone("SELECT last_id FROM audit_head WHERE id = 1")
+    last_id = 0 if head is None else int(head[0])
+    first = chain.keyed_from
+    if not 1 <= first <= last_id:
+        return (
+            f"meta says the chain is keyed from record {first}, but it ends at record "
+            f"{last_id}: its keying state was edited"
+        )
+    page = fetch_page(tx, after_id=first - 1, limit=1)
+    record = page[0] if page and page[0].id == first else None
+    wanted = key_id(chain.key)
+    if record is None or record.kind != "key" or record.detail.get("key_id") != wanted:
+        return (
+            f"record {first}, where meta says keying begins, is not the key record of key id "
+            f"{wanted}: the keying state was edited"
+        )
+    if not hmac.compare_digest(chain.record_hash(record), record.hash):
+        return f"record {first}, the key record, is not MACed under this key: it was forged"
+    return None
+
+
+def open_chain(
+    store: Store, key: bytes | None, *, now_us: int, actor: str, init: bool = False
+) -> Chain:
     """The chain of `store`, keyed by `key`: a store whose chain is unkeyed starts keying it
-    from its next record (appending a `key` record); a keyed one needs its own key.
+    from its next record (appending a `key` record) when the chain is empty or `init` says so;
+    a keyed one needs its own key, and keying state that agrees with its key record.
 
     Raises:
-        ValueError: the store's chain is keyed and `key` is missing or another key.
+        ValueError: the store's chain is keyed and `key` is missing or another key; or `key`
+            is given for a non-empty unkeyed chain without `init` (its keying may have been
+            stripped); or the keying state disagrees with the chain (`keying_problem`).
     """
     meta = store.read(read_meta)
     stored = meta.get("audit_key_id", "")
@@ -244,7 +284,26 @@ def open_chain(store: Store, key: bytes | None, *, now_us: int, actor: str) -> C
             f"but --audit-key holds key id {wanted}: pass the store's key"
         )
     if stored:
-        return Chain(store.store_id, key, int(meta["keyed_from"]))
+        try:
+            chain = Chain(store.store_id, key, int(meta.get("keyed_from", "0")))
+        except ValueError:
+            chain = Chain(store.store_id, key, 0)
+        problem = store.read(lambda tx: keying_problem(tx, chain))
+        if problem is not None:
+            raise ValueError(
+                f"the audit chain of the store at {store.location} cannot be trusted: {problem}"
+                ". Check it with `rngcoord verify --audit-key KEY --anchor ANCHORS`; do not "
+                "serve it"
+            )
+        return chain
+    head = store.read(lambda tx: tx.fetchone("SELECT last_id FROM audit_head WHERE id = 1"))
+    if head is not None and int(head[0]) > 0 and not init:
+        raise ValueError(
+            f"the audit chain of the store at {store.location} is not keyed, but --audit-key "
+            f"was given: if the chain was never keyed, start keying it from its next record "
+            "on purpose with --init; if it was keyed, its keying was stripped (records rehashed "
+            "without the key): check it with `rngcoord verify --audit-key KEY --anchor ANCHORS`"
+        )
 
     def adopt(tx: Tx) -> int:
         current = read_meta(tx)
@@ -263,6 +322,92 @@ def open_chain(store: Store, key: bytes | None, *, now_us: int, actor: str) -> C
     return Chain(store.store_id, key, store.write(adopt))
 
 
+@dataclass
+class Pages:
+    """Keyset paging over the chain, oldest first: the query of the next page, advanced by
+    what each page returned. One home for `records` (a store read outside any server) and
+    the server's ListAudit stream.
+
+    Args:
+        filters: `fetch_page`'s filters (job, group, kinds, since_us, until_us).
+        limit: the most records in all; 0 for every one.
+        page: the most records per page.
+    """
+
+    filters: dict[str, Any]
+    limit: int
+    page: int
+    after_id: int = 0
+    taken: int = 0
+    done: bool = False
+
+    @classmethod
+    def checked(
+        cls,
+        *,
+        job: str = "",
+        group: str = "",
+        kinds: Sequence[str] = (),
+        since_us: int = 0,
+        until_us: int = 0,
+        limit: int = 0,
+        page: int = 500,
+    ) -> Pages:
+        """Pages of the records that pass the filters, checked as a ListAudit request is.
+
+        Raises:
+            InvalidArgument: a malformed name, an unknown kind or a negative limit.
+        """
+        try:
+            if job:
+                check_name("job", job)
+            if group:
+                check_name("group", group)
+        except RuleViolation as violation:
+            raise InvalidArgument.of(violation) from None
+        unknown = sorted(set(kinds) - set(KINDS))
+        if unknown:
+            shown = ", ".join(repr(k[:32]) for k in unknown[:3])
+            more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+            raise InvalidArgument(
+                f"unknown audit kinds {shown}{more}: the kinds are {', '.join(KINDS)}",
+                field="kinds",
+                value=unknown[0][:32],
+            )
+        if limit < 0:
+            raise InvalidArgument(
+                f"invalid limit {limit!r}: it must be 0 (no limit) or more",
+                field="limit",
+                value=limit,
+            )
+        filters = {
+            "job": job,
+            "group": group,
+            "kinds": tuple(sorted(set(kinds))),
+            "since_us": since_us,
+            "until_us": until_us,
+        }
+        return cls(filters, limit, page)
+
+    def next_query(self) -> Callable[[Tx], list[AuditRecord]] | None:
+        """The read of the next page, or None when there is none."""
+        left = self.limit - self.taken if self.limit else self.page
+        if self.done or left <= 0:
+            return None
+        return functools.partial(
+            fetch_page, after_id=self.after_id, limit=min(self.page, left), **self.filters
+        )
+
+    def took(self, batch: Sequence[AuditRecord]) -> None:
+        """Advance past `batch`, the page the last query returned."""
+        left = self.limit - self.taken if self.limit else self.page
+        if len(batch) < min(self.page, left):
+            self.done = True
+        if batch:
+            self.after_id = batch[-1].id
+            self.taken += len(batch)
+
+
 def records(
     store: Store,
     *,
@@ -276,26 +421,19 @@ def records(
 ) -> Iterator[AuditRecord]:
     """Records passing the filters (as in `fetch_page`), oldest first, read page by page from a
     store outside any server (the `rngcoord audit` command); `limit` 0 means all."""
-    after_id, left = 0, limit or math.inf
-    while left > 0:
-        size = int(min(page, left))
-        batch = store.read(
-            functools.partial(
-                fetch_page,
-                after_id=after_id,
-                limit=size,
-                job=job,
-                group=group,
-                kinds=kinds,
-                since_us=since_us,
-                until_us=until_us,
-            )
-        )
+    pages = Pages.checked(
+        job=job,
+        group=group,
+        kinds=kinds,
+        since_us=since_us,
+        until_us=until_us,
+        limit=limit,
+        page=page,
+    )
+    while (query := pages.next_query()) is not None:
+        batch = store.read(query)
         yield from batch
-        if len(batch) < size:
-            return
-        after_id = batch[-1].id
-        left -= len(batch)
+        pages.took(batch)
 
 
 def fetch_page(

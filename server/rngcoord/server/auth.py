@@ -10,8 +10,8 @@ separated by whitespace; blank lines and lines starting with `#` are ignored:
 
 - NAME names the identity in audit records and logs (never the token).
 - ROLE is one of:
-  - `member`: JoinGroup, Reserve, Attest, LeaveGroup, Restore (not forced), GetGroup and
-    ListAudit;
+  - `member`: JoinGroup, JoinGroups, Reserve, Attest, LeaveGroup, Restore (not forced),
+    RecordResize, GetGroup and ListAudit (and each of these as a Session message);
   - `auditor`: GetGroup and ListAudit only;
   - `admin`: everything, including a forced Restore.
 - JOBS is a comma-separated list of job patterns (`fnmatch`: `*`, `?`, `[...]`); a request is
@@ -40,7 +40,9 @@ __all__ = ["ROLES", "Identity", "TokenTable", "load_tokens"]
 
 ROLES = ("member", "auditor", "admin")
 
-WRITES = frozenset({"JoinGroup", "Reserve", "Attest", "LeaveGroup", "Restore"})
+WRITES = frozenset(
+    {"JoinGroup", "JoinGroups", "Reserve", "Attest", "LeaveGroup", "Restore", "RecordResize"}
+)
 """The methods that change state: members and admins only."""
 
 _PATTERN = re.compile(r"^[A-Za-z0-9_.:\-*?\[\]!]{1,128}$")
@@ -101,8 +103,9 @@ def load_tokens(path: str | Path) -> TokenTable:
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: naming the file and line of the first malformed entry (never its token),
-            or when the file lists no token (every request would be refused).
+        ValueError: naming the file, line and field of the first malformed entry, never any
+            field's text (a line in the wrong order may hold its token anywhere), or when
+            the file lists no token (every request would be refused).
     """
     entries: list[tuple[bytes, Identity]] = []
     seen: dict[bytes, int] = {}
@@ -123,16 +126,18 @@ def load_tokens(path: str | Path) -> TokenTable:
         elif len(parts) == 4:
             name, role, jobs, token = parts
             if role not in ROLES:
-                raise ValueError(f"{where}: role {role[:32]!r} is not one of {', '.join(ROLES)}")
+                raise ValueError(f"{where}: field 2 (ROLE) is not one of {', '.join(ROLES)}")
             try:
                 check_name("identity name", name)
-            except RuleViolation as exc:
-                raise ValueError(f"{where}: {exc}") from None
+            except RuleViolation:
+                raise ValueError(
+                    f"{where}: field 1 (NAME) must be 1-128 of [A-Za-z0-9_.:-]"
+                ) from None
             patterns = tuple(p for p in jobs.split(",") if p)
             for pattern in patterns:
                 if not _PATTERN.fullmatch(pattern):
                     raise ValueError(
-                        f"{where}: job pattern {pattern[:64]!r} must be 1-128 of "
+                        f"{where}: field 3 (JOBS) holds a pattern that is not 1-128 of "
                         "[A-Za-z0-9_.:-] and the wildcards * ? [ ] !"
                     )
             if not patterns:
@@ -157,5 +162,7 @@ def load_tokens(path: str | Path) -> TokenTable:
 def _check_job(job: str, where: str) -> None:
     try:
         check_name("job", job)
-    except RuleViolation as exc:
-        raise ValueError(f"{where}: {exc}, nor '*'") from None
+    except RuleViolation:
+        raise ValueError(
+            f"{where}: field 1 (JOB) must be a job name (1-128 of [A-Za-z0-9_.:-]) or '*'"
+        ) from None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
@@ -37,17 +38,24 @@ from rngcoord.server import queries
 from rngcoord.server.audit import Chain
 from rngcoord.server.clock import Clock
 from rngcoord.server.errors import CoordinatorError, FailedPrecondition, JoinTimeout
+from rngcoord.server.gate import peer_host
 from rngcoord.server.logs import event, get_logger
+from rngcoord.server.membership import bad_credential, rank_list
 from rngcoord.server.seeds import draw_job_seed, group_seed
-from rngcoord.server.store import Store, Tx
+from rngcoord.server.store import Store, StoreLost, Tx
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.types import JoinResult, members_digest
 
-__all__ = ["Barriers", "JoinRequest", "rank_list", "ranks_text"]
+__all__ = ["Barriers", "JoinRequest", "ranks_text"]
 
 T = TypeVar("T")
 
 _LISTED_RANKS = 16
+#: An epoch whose members were active this recently is live: a join of another launch does
+#: not replace it (JOB_IN_USE) unless it asks for a takeover. Activity is what the store
+#: records (leases, first attestations), and a steady rank attests once per 30 to 60 s
+#: (docs/design.md §6.1): three times the longest interval, so a live job never looks idle.
+LIVE_EPOCH_S = 180.0
 _MAX_BATCH = 4096
 _log = get_logger("barrier")
 
@@ -61,14 +69,6 @@ def ranks_text(ranks: Sequence[int], total: int | None = None) -> str:
     return f"[{shown}, ...] ({total} ranks)"
 
 
-def rank_list(ranks: Sequence[int], total: int | None = None) -> str:
-    """A rank list for ErrorInfo metadata: "0,2,5", cut short past 16 as "0,...,15,+N"."""
-    total = len(ranks) if total is None else total
-    shown = ",".join(str(r) for r in ranks[:_LISTED_RANKS])
-    extra = total - min(len(ranks), _LISTED_RANKS)
-    return f"{shown},+{extra}" if extra > 0 else shown
-
-
 @dataclass(frozen=True, slots=True)
 class JoinRequest:
     """One rank's join, validated.
@@ -78,10 +78,15 @@ class JoinRequest:
         rank: the rank, below `world_size`.
         world_size: ranks that form the epoch.
         member_id: the process incarnation.
+        secret_hash: `membership.secret_hash` of the member's secret: a retried join must
+            carry the same secret, and later calls as the member too.
         job_seed: the root seed asked for, or None.
         timeout_s: how long to wait.
         actor: who asks, for the audit log.
         peer: the caller's address, kept with its membership.
+        launch: which launch of the job the rank belongs to ("": no launch check).
+        restart_count: the launch's torchelastic restart count.
+        takeover: replace a live epoch of another launch.
     """
 
     job: str
@@ -89,10 +94,14 @@ class JoinRequest:
     rank: int
     world_size: int
     member_id: str
+    secret_hash: bytes
     job_seed: int | None
     timeout_s: float
     actor: str
     peer: str
+    launch: str = ""
+    restart_count: int = 0
+    takeover: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -124,6 +133,8 @@ class Barriers:
         clock: the time source.
         on_formed: called with (job, group, epoch) when this process forms an epoch, before
             its waiters wake (the coordinator drops its cached state of the group).
+        on_lost: called with the reason when a batch finds the store lost (`StoreLost`), so
+            that the coordinator stops serving it.
         chain: how audit records are hashed.
     """
 
@@ -133,6 +144,7 @@ class Barriers:
         read: Callable[[Callable[[Tx], T]], Awaitable[T]],
         clock: Clock,
         on_formed: Callable[[str, str, int], None],
+        on_lost: Callable[[str], None],
         chain: Chain,
     ) -> None:
         self._store = store
@@ -140,6 +152,7 @@ class Barriers:
         self._read: Callable[[Callable[[Tx], Any]], Awaitable[Any]] = read
         self._clock = clock
         self._on_formed = on_formed
+        self._on_lost = on_lost
         self._groups: dict[tuple[str, str], _Group] = {}
         # (job, group) -> (when, world size, first missing ranks, how many): what `_missing`
         # read, dropped whenever this process writes arrivals of the group.
@@ -217,6 +230,8 @@ class Barriers:
                         )
                     )
                 except Exception as exc:  # the store failed: every join of the batch fails
+                    if isinstance(exc.__cause__, StoreLost):
+                        self._on_lost(str(exc.__cause__))
                     for _, decided in batch:
                         if not decided.done():
                             decided.set_exception(exc)
@@ -254,6 +269,7 @@ class Barriers:
         first = requests[0]
         stored = queries.job_seed(tx, job)
         if stored is None:
+            _never_recorded(tx, job, "", "job")
             asked = next((r.job_seed for r in requests if r.job_seed is not None), None)
             stored = drawn if asked is None else asked
             queries.insert_job(tx, job, stored, now_us)
@@ -268,6 +284,7 @@ class Barriers:
             )
         g = queries.group_row(tx, job, group)
         if g is None:
+            _never_recorded(tx, job, group, "group")
             floor = queries.floor_of(tx, job, group)
             g = queries.insert_group(tx, job, group, group_seed(stored, group), floor)
             detail: dict[str, object] = {"seed": g.seed}
@@ -288,10 +305,11 @@ class Barriers:
         current = queries.epoch_row(tx, job, group, g.epoch) if g.epoch else None
         in_current = queries.members_of_ranks(tx, job, group, g.epoch, ranks) if current else {}
         pending = {
-            rank: row.member_id
+            rank: (row.member_id, row.secret_hash)
             for rank, row in queries.pending_of_ranks(tx, job, group, ranks).items()
         }
         epoch, high_water = g.epoch, g.high_water
+        live: list[queries.EpochLaunch | None] = []  # the current epoch's, read once if needed
         outcomes: list[object] = []
         formed: list[tuple[JoinResult, list[tuple[int, str]]]] = []
         upserts: list[tuple[object, ...]] = []
@@ -313,6 +331,10 @@ class Barriers:
                 and current.world_size == r.world_size
                 and in_current.get(r.rank) == r.member_id
             ):
+                held = queries.member(tx, job, group, epoch, r.rank)
+                if held is None or not _same_secret(held.secret_hash, r.secret_hash):
+                    outcomes.append(bad_credential(job, group, epoch, r.rank))
+                    continue
                 outcomes.append(
                     JoinResult(
                         epoch,
@@ -323,6 +345,10 @@ class Barriers:
                         current.members_digest,
                     )
                 )
+                continue
+            refusal = self._in_use(tx, r, epoch, live, now_us) if current is not None else None
+            if refusal is not None:
+                outcomes.append(refusal)
                 continue
             if count and size != r.world_size:
                 if upserts:
@@ -343,12 +369,22 @@ class Barriers:
                     )
                 )
                 continue
+            waiting_as = pending.get(r.rank)
+            if (
+                waiting_as is not None
+                and waiting_as[0] == r.member_id
+                and not _same_secret(waiting_as[1], r.secret_hash)
+            ):
+                outcomes.append(bad_credential(job, group, 0, r.rank))
+                continue
             if r.rank not in pending:
                 count += 1
-            pending[r.rank] = r.member_id
+            pending[r.rank] = (r.member_id, r.secret_hash)
             size = r.world_size
             expires_us = now_us + math.ceil(r.timeout_s * 1e6)
-            upserts.append((r.rank, r.member_id, r.world_size, expires_us, now_us, r.peer))
+            upserts.append(
+                (r.rank, r.member_id, r.world_size, expires_us, now_us, r.peer, r.secret_hash)
+            )
             outcomes.append(_WAITING)
             waiting_since.append(i)
             if count < size:
@@ -358,6 +394,7 @@ class Barriers:
             upserts = []
             members = queries.pending_members(tx, job, group)
             digest = members_digest(members)
+            first_us = queries.first_pending_us(tx, job, group)
             epoch += 1
             queries.insert_epoch(
                 tx,
@@ -368,6 +405,8 @@ class Barriers:
                 start=high_water,
                 digest=digest,
                 now_us=now_us,
+                launch=r.launch,
+                restart_count=r.restart_count,
             )
             queries.promote_pending(tx, job, group, epoch)
             self._chain.append(
@@ -383,6 +422,9 @@ class Barriers:
                     "start": high_water,
                     "members_digest": digest.hex(),
                     "previous_epoch": epoch - 1,
+                    # From the first pending join to the epoch: how long the barrier waited.
+                    "waited_s": round(max(0, now_us - (first_us or now_us)) / 1e6, 3),
+                    **({"launch": r.launch} if r.launch else {}),
                 },
             )
             result = JoinResult(epoch, g.seed, high_water, stored, size, digest)
@@ -393,12 +435,62 @@ class Barriers:
                     outcomes[j] = result
             formed.append((result, members))
             current = queries.EpochRow(epoch, size, high_water, digest, None, 0)
+            live = [queries.EpochLaunch(r.launch, r.restart_count, now_us)]
             in_current = {rank: member_of[rank] for rank in ranks if rank in member_of}
             count, size, pending, waiting_since = 0, 0, {}, []
         if upserts:
             queries.upsert_pending(tx, job, group, upserts)
         queries.set_barrier(tx, job, group, size, count)
         return outcomes, formed
+
+    def _in_use(
+        self,
+        tx: Tx,
+        r: JoinRequest,
+        epoch: int,
+        live: list[queries.EpochLaunch | None],
+        now_us: int,
+    ) -> FailedPrecondition | None:
+        """JOB_IN_USE if `r` would replace epoch `epoch`, live and of another launch (or of an
+        earlier restart of its own); None if it may. `live` caches the epoch's launch."""
+        if r.takeover or not r.launch:
+            return None
+        if not live:
+            live.append(queries.epoch_launch(tx, r.job, r.group, epoch))
+        current = live[0]
+        if current is None or not current.launch:
+            return None
+        if current.launch == r.launch and r.restart_count >= current.restart_count:
+            return None  # the same launch, or a torchelastic restart of it
+        idle_s = max(0.0, (now_us - current.active_us) / 1e6)
+        if idle_s >= LIVE_EPOCH_S:
+            return None
+        peers = queries.member_peers(tx, r.job, r.group, epoch, 4 * _LISTED_RANKS)
+        hosts = sorted({peer_host(p) for p in peers if p})[:_LISTED_RANKS]
+        if current.launch == r.launch:
+            why = (
+                f"restart {r.restart_count} of launch {r.launch!r} is older than restart "
+                f"{current.restart_count}, which formed the group's epoch {epoch}"
+            )
+        else:
+            why = (
+                f"launch {current.launch!r} of job {r.job!r} is using group {r.group!r} "
+                f"(epoch {epoch})"
+            )
+        return FailedPrecondition(
+            f"{why}: its members, on {', '.join(hosts) or 'unknown hosts'}, were active "
+            f"{idle_s:.0f}s ago. Two launches under one job name would both train on one "
+            f"stream; stop that job, use another job name, or pass install(takeover=True) to "
+            f"replace it (its ranks then fail with StaleEpochError). A job idle for "
+            f"{LIVE_EPOCH_S:g}s is replaced without asking",
+            reason=pb.JOB_IN_USE,
+            job=r.job,
+            group=r.group,
+            epoch=epoch,
+            launch=current.launch,
+            hosts=",".join(hosts),
+            idle_s=f"{idle_s:.0f}",
+        )
 
     # ------------------------------------------------------------------------ waking
 
@@ -563,6 +655,10 @@ class Barriers:
         )
 
 
+def _same_secret(stored: bytes | None, presented: bytes) -> bool:
+    return stored is not None and hmac.compare_digest(stored, presented)
+
+
 def _formed_without(r: JoinRequest, epoch: int) -> FailedPrecondition:
     return FailedPrecondition(
         f"epoch {epoch} of group {r.group!r} formed without rank {r.rank} member "
@@ -574,3 +670,15 @@ def _formed_without(r: JoinRequest, epoch: int) -> FailedPrecondition:
         rank=r.rank,
         member_id=r.member_id,
     )
+
+
+def _never_recorded(tx: Tx, job: str, group: str, kind: str) -> None:
+    """Refuse to create a job or group that the audit chain already records: its rows were
+    deleted from the store, and starting it again would grant its offsets again."""
+    if queries.chain_records(tx, job, group, kind):
+        what = f"job {job!r}" if kind == "job" else f"group {group!r} of job {job!r}"
+        raise StoreLost(
+            f"the audit chain records {what}, but the store has no row of it: its state was "
+            "deleted, and serving it again could grant its offsets twice. Check the store with "
+            "`rngcoord verify`, and restore it from a backup"
+        )

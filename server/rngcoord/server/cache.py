@@ -3,7 +3,8 @@
 Four bounded maps, each evicting its oldest entry when full:
 
 - leases by (job, group, epoch, seq): a granted lease never changes, so it is kept as is;
-- members by (job, group, epoch, rank): a member id, or "" once the member left;
+- members by (job, group, epoch, rank): who holds the rank (`membership.Member`: its id,
+  whether it left, and its secret's hash);
 - groups by (job, group): the seed, the current epoch and its divergence record;
 - attestations by (job, group, epoch, anchor seq, op count): the first fingerprint attested,
   which never changes either.
@@ -21,7 +22,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from rngcoord.server.queries import LeaseRow
+from rngcoord.server.queries import LeaseRow, Member
 
 __all__ = ["AttestationKey", "Bounded", "Cache", "GroupState"]
 
@@ -86,6 +87,6 @@ class Cache:
         attestations: int = 1 << 18,
     ) -> None:
         self.leases: Bounded[tuple[str, str, int, int], LeaseRow] = Bounded(leases)
-        self.members: Bounded[tuple[str, str, int, int], str] = Bounded(members)
+        self.members: Bounded[tuple[str, str, int, int], Member] = Bounded(members)
         self.groups: Bounded[tuple[str, str], GroupState] = Bounded(groups)
         self.attestations: Bounded[AttestationKey, bytes] = Bounded(attestations)

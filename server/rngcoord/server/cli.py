@@ -123,8 +123,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=_env_path(env, "RNGCOORD_ANCHOR_FILE"),
         metavar="FILE",
-        help="append the signed head of the audit chain here each second it moved, for "
-        "`verify --anchor` (env RNGCOORD_ANCHOR_FILE; default: the log only)",
+        help="append the signed head of the audit chain here (and to the log) each second it "
+        "moved, for `verify --anchor`; read at start: a store whose chain lacks the newest "
+        "anchor is refused (env RNGCOORD_ANCHOR_FILE; default: PATH.anchors.jsonl beside an "
+        "SQLite store, the log only for PostgreSQL)",
+    )
+    serve.add_argument(
+        "--anchor",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="more anchors to check the store against at start (repeatable): another server's "
+        "--anchor-file or log, or the audit heads clients keep in checkpoints; a store whose "
+        "chain lacks the newest of them is refused",
     )
     serve.add_argument(
         "--floor-from",
@@ -210,6 +222,61 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="most client connections per server process (default: the open-file limit, "
         "raised to its hard maximum, less 256)",
+    )
+    serve.add_argument(
+        "--max-connections-per-host",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="most client connections of one peer host per server process; the newest past it "
+        "are closed, so one host can never lock others out (default: a quarter of "
+        "--max-connections)",
+    )
+    serve.add_argument(
+        "--crowded-idle-timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="while a process holds more than half of --max-connections, close connections "
+        "without a call for this long (default 10)",
+    )
+    serve.add_argument(
+        "--max-audit-streams-per-host",
+        type=_positive_int,
+        default=16,
+        metavar="N",
+        help="most ListAudit streams one peer host may hold open; more are refused "
+        "RESOURCE_EXHAUSTED / TOO_MANY_STREAMS (default 16)",
+    )
+    serve.add_argument(
+        "--max-audit-streams",
+        type=_positive_int,
+        default=256,
+        metavar="N",
+        help="most ListAudit streams per server process (default 256)",
+    )
+    serve.add_argument(
+        "--max-sessions-per-host",
+        type=_positive_int,
+        default=128,
+        metavar="N",
+        help="most Session streams one peer host may hold open (a client process holds one "
+        "per coordinator target); more are refused RESOURCE_EXHAUSTED / TOO_MANY_STREAMS "
+        "(default 128)",
+    )
+    serve.add_argument(
+        "--max-sessions",
+        type=_positive_int,
+        default=16384,
+        metavar="N",
+        help="most Session streams per server process (default 16384)",
+    )
+    serve.add_argument(
+        "--audit-stall-timeout",
+        type=_positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="end a ListAudit stream whose client takes no record for this long (default 60)",
     )
     serve.add_argument(
         "--handshake-timeout",
@@ -373,6 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # A SIGHUP (a token reload) that arrives while the server starts would end the process:
+    # hold it until the handlers are in place (app._serve_here, workers._Signals).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
     # gRPC core logs to stderr in its own format, read once when grpc is first imported.
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     # Imported here so that `audit` and `verify` do not pay for the gRPC server's imports.
@@ -403,8 +473,16 @@ def _serve(args: argparse.Namespace) -> int:
         init=args.init,
         audit_key=args.audit_key,
         anchor_file=args.anchor_file,
+        anchors=tuple(args.anchor),
         floor_from=tuple(args.floor_from),
         max_connections=args.max_connections,
+        max_connections_per_host=args.max_connections_per_host,
+        crowded_idle_timeout_s=args.crowded_idle_timeout,
+        max_audit_streams_per_host=args.max_audit_streams_per_host,
+        max_audit_streams=args.max_audit_streams,
+        max_sessions_per_host=args.max_sessions_per_host,
+        max_sessions=args.max_sessions,
+        audit_stall_s=args.audit_stall_timeout,
         handshake_timeout_s=args.handshake_timeout,
         idle_timeout_s=args.idle_timeout,
         peer_rate=args.peer_rate,
@@ -517,9 +595,10 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from rngcoord.server.anchors import read_anchors
     from rngcoord.server.audit import load_key
     from rngcoord.server.stores import open_store
-    from rngcoord.server.verify import read_anchors, verify
+    from rngcoord.server.verify import verify
 
     key = load_key(str(args.audit_key)) if args.audit_key is not None else None
     anchors = []

@@ -38,8 +38,9 @@ __all__ = ["FEED_KINDS", "Feed", "FeedRecord", "NotifyingStore", "VersionedStore
 
 T = TypeVar("T")
 
-FEED_KINDS = ("epoch", "leave", "divergence", "restore")
-"""The audit kinds that change what a hit or a waiting join may answer."""
+FEED_KINDS = ("epoch", "leave", "divergence", "restore", "resize")
+"""The audit kinds that change what a hit or a waiting join may answer, and `resize`, which
+changes nothing but is logged (rngcoord.server.coordinator logs every kind here once)."""
 
 _PAGE = 2000
 _log = get_logger("feed")

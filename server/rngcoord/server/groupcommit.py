@@ -18,25 +18,36 @@ batch shares one fsync. Then it completes every caller:
 
 Backends supply the transaction control as callbacks, so SQLite and PostgreSQL share this one
 implementation. Operations must be pure functions of the transaction, as they may run again.
+
+Nothing a caller does can stop the thread (docs/design.md §7.3). A caller that gave up (its
+future was cancelled, as `asyncio.wrap_future` does when a client cancels its call) before the
+writer took its operation is dropped: the operation never runs. Once taken, a future is marked
+running, so no later cancel can race the writer's `set_result`. Any unexpected exception while
+running a batch is logged and fails that batch's callers with `Unavailable`, and the thread
+goes on. `problem()` says when the writer has died or stopped making progress, which the
+server reports as NOT_SERVING.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import random
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from rngcoord.server.errors import CoordinatorError, Unavailable
-from rngcoord.server.store import Tx
+from rngcoord.server.logs import event, get_logger
+from rngcoord.server.store import Tx, WriteProblem
 
 __all__ = ["GroupCommitWriter"]
 
 T = TypeVar("T")
+_log = get_logger("writer")
 
 
 @dataclass(slots=True)
@@ -72,6 +83,11 @@ class GroupCommitWriter:
         is_unavailable: True for an exception raised inside an operation that means the
             database cannot serve (disk full, I/O error, connection lost): the whole batch
             gets `Unavailable`, as for a failed commit. Default: none does.
+        rerun: True for an exception after which the batch runs again at once, without
+            counting as an attempt, in a mode where it cannot recur in the same way
+            (PostgreSQL: an error surfaced in pipeline mode; `rollback` turns the pipeline
+            off for the rerun). A predicate: it must be False for the rerun's own errors.
+            Default: never.
         name: the writer thread's name. Default "rngcoord-writer".
         max_batch: most operations in one transaction. Default 256.
         max_attempts: most runs of one batch when attempts fail retryably. Default 5.
@@ -87,6 +103,7 @@ class GroupCommitWriter:
         rollback: Callable[[], None],
         is_retryable: Callable[[BaseException], bool] = lambda exc: False,
         is_unavailable: Callable[[BaseException], bool] = lambda exc: False,
+        rerun: Callable[[BaseException], bool] = lambda exc: False,
         name: str = "rngcoord-writer",
         max_batch: int = 256,
         max_attempts: int = 5,
@@ -99,6 +116,7 @@ class GroupCommitWriter:
         self._rollback = rollback
         self._is_retryable = is_retryable
         self._is_unavailable = is_unavailable
+        self._rerun = rerun
         self._max_batch = max_batch
         self._max_attempts = max_attempts
         self._backoff_s = backoff_s
@@ -106,6 +124,10 @@ class GroupCommitWriter:
         # Guards `_closed` together with the enqueue, so no operation lands behind _STOP.
         self._lock = threading.Lock()
         self._closed = False
+        # When the batch being run began (None while idle), and why the thread died, if it did:
+        # read by `problem()` from other threads, written only by the writer.
+        self._batch_started: float | None = None
+        self._died: str | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -136,14 +158,51 @@ class GroupCommitWriter:
                 self._queue.put(_STOP)
         self._thread.join()
 
+    def problem(self, stall_s: float) -> WriteProblem | None:
+        """Why writes cannot be trusted to complete, or None: the thread died (fatal), or the
+        batch it is running has not finished within `stall_s` seconds (a database that hangs)."""
+        if self._died is not None:
+            return WriteProblem(f"the store's writer thread stopped: {self._died}", fatal=True)
+        started = self._batch_started
+        if started is not None:
+            stalled = time.monotonic() - started
+            if stalled >= stall_s:
+                waiting = self._queue.qsize()
+                return WriteProblem(
+                    f"a write batch has run for {stalled:.0f} s without committing, "
+                    f"{waiting} more writes queued behind it",
+                    fatal=False,
+                )
+        if not self._closed and not self._thread.is_alive():
+            return WriteProblem("the store's writer thread is not running", fatal=True)
+        return None
+
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:
+            # Only something like MemoryError gets here: say so, and fail whoever waits.
+            self._died = f"{type(exc).__name__}: {exc}"
+            event(_log, logging.CRITICAL, "writer_died", exc_info=True, error=self._died)
+            with self._lock:
+                self._closed = True
+            self._fail_queued(Unavailable(f"the store's writer thread stopped: {self._died}"))
+            raise
+
+    def _serve(self) -> None:
         stopping = False
         while not stopping:
             item = self._queue.get()
             if item is _STOP:
                 return
-            batch = [cast(_Op, item)]
-            while len(batch) < self._max_batch:
+            batch: list[_Op] = []
+            while True:
+                op = cast(_Op, item)
+                # False: the caller cancelled before the writer took it; it must not run.
+                if op.future.set_running_or_notify_cancel():
+                    batch.append(op)
+                if len(batch) >= self._max_batch:
+                    break
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
@@ -151,15 +210,44 @@ class GroupCommitWriter:
                 if item is _STOP:
                     stopping = True
                     break
-                batch.append(cast(_Op, item))
-            self._run_batch(batch)
+            if not batch:
+                continue
+            self._batch_started = time.monotonic()
+            try:
+                self._run_batch(batch)
+            except BaseException as exc:
+                error = Unavailable(f"the store's writer failed: {type(exc).__name__}: {exc}")
+                for op in batch:
+                    if not op.future.done():
+                        _settle(op.future, False, error)
+                if not isinstance(exc, Exception):
+                    raise
+                event(_log, logging.ERROR, "write_batch_failed", exc_info=True, ops=len(batch))
+            finally:
+                self._batch_started = None
+
+    def _fail_queued(self, error: Unavailable) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP:
+                future = cast(_Op, item).future
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(error)
 
     def _run_batch(self, batch: list[_Op]) -> None:
-        for attempt in range(1, self._max_attempts + 1):
+        attempt = 0
+        while attempt < self._max_attempts:
+            attempt += 1
             try:
                 outcomes = self._attempt(batch)
             except _AttemptFailed as failure:
                 self._rollback()
+                if not self._is_retryable(failure.cause) and self._rerun(failure.cause):
+                    attempt -= 1
+                    continue
                 if self._is_retryable(failure.cause) and attempt < self._max_attempts:
                     delay = self._backoff_s * 2 ** (attempt - 1)
                     time.sleep(delay * random.uniform(0.5, 1.5))
@@ -174,20 +262,17 @@ class GroupCommitWriter:
                 for op in batch:
                     error = Unavailable(message)
                     error.__cause__ = failure.cause  # a StoreLost tells the coordinator
-                    op.future.set_exception(error)
+                    _settle(op.future, False, error)
                 return
             except Exception as exc:
                 # A failing callback must not leave callers blocked or stop the writer thread:
                 # the callers get the exception (the servicer logs it as INTERNAL).
                 self._rollback()
                 for op in batch:
-                    op.future.set_exception(exc)
+                    _settle(op.future, False, exc)
                 return
             for op, (ok, value) in zip(batch, outcomes, strict=True):
-                if ok:
-                    op.future.set_result(value)
-                else:
-                    op.future.set_exception(value)
+                _settle(op.future, ok, value)
             return
 
     def _attempt(self, batch: list[_Op]) -> list[tuple[bool, Any]]:
@@ -199,7 +284,7 @@ class GroupCommitWriter:
         outcomes: list[tuple[bool, Any]] = []
         for op in batch:
             try:
-                tx.execute("SAVEPOINT op")
+                tx.write("SAVEPOINT op")
             except Exception as exc:
                 raise _AttemptFailed("write", exc) from exc
             try:
@@ -208,7 +293,7 @@ class GroupCommitWriter:
                 self._end_savepoint(tx, keep=exc.keep_writes)
                 outcomes.append((False, exc))
             except Exception as exc:
-                if self._is_retryable(exc) or self._is_unavailable(exc):
+                if self._is_retryable(exc) or self._is_unavailable(exc) or self._rerun(exc):
                     raise _AttemptFailed("write", exc) from exc
                 self._end_savepoint(tx, keep=False)
                 outcomes.append((False, exc))
@@ -225,7 +310,19 @@ class GroupCommitWriter:
     def _end_savepoint(tx: Tx, *, keep: bool) -> None:
         try:
             if not keep:
-                tx.execute("ROLLBACK TO SAVEPOINT op")
-            tx.execute("RELEASE SAVEPOINT op")
+                tx.write("ROLLBACK TO SAVEPOINT op")
+            tx.write("RELEASE SAVEPOINT op")
         except Exception as exc:
             raise _AttemptFailed("write", exc) from exc
+
+
+def _settle(future: Future[Any], ok: bool, value: Any) -> None:
+    """Complete a running future once; a second completion is a bug, logged, never raised in
+    the writer thread."""
+    try:
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+    except InvalidStateError:
+        event(_log, logging.ERROR, "write_completed_twice", state=repr(future))

@@ -9,6 +9,10 @@ Python warnings go through the same formatter from WARNING up: their message bec
 gRPC core's own C++ log lines bypass Python; `rngcoord serve` silences them
 (GRPC_VERBOSITY=NONE) unless the environment sets GRPC_VERBOSITY, for debugging.
 
+gRPC's aio server logs `ExecuteBatchError raised in core by servicer method` with a traceback
+when a handler's answer finds its caller gone (cancelled, timed out, disconnected). That is
+the caller's doing and the server is fine, so those lines are dropped (`_CallerGone`).
+
 The servicer logs nothing per request at INFO: requests are counted in metrics instead, and
 only failures the caller cannot explain (INTERNAL) are logged.
 """
@@ -41,6 +45,16 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str, separators=(",", ":"))
 
 
+class _CallerGone(logging.Filter):
+    """Drops gRPC's traceback for an answer its caller was no longer there to take."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("ExecuteBatchError raised in core")
+
+
+_GRPC_CORE_LOGGER = "grpc._cython.cygrpc"
+
+
 def configure(level: int | str = logging.INFO, stream: IO[str] | None = None) -> logging.Logger:
     """Send the `rngcoord` loggers (from `level`) and every other logger (from WARNING) to
     `stream` as JSON lines; return the `rngcoord` logger.
@@ -59,6 +73,9 @@ def configure(level: int | str = logging.INFO, stream: IO[str] | None = None) ->
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
     logging.captureWarnings(True)
+    grpc_core = logging.getLogger(_GRPC_CORE_LOGGER)
+    if not any(isinstance(f, _CallerGone) for f in grpc_core.filters):
+        grpc_core.addFilter(_CallerGone())
     logger = logging.getLogger(LOGGER_NAME)
     for old in list(logger.handlers):
         logger.removeHandler(old)

@@ -43,7 +43,18 @@ _LATENCY_BUCKETS = (
     30.0,
 )
 
-METHODS = ("JoinGroup", "Reserve", "Attest", "LeaveGroup", "GetGroup", "Restore", "ListAudit")
+METHODS = (
+    "JoinGroup",
+    "JoinGroups",
+    "Reserve",
+    "Attest",
+    "LeaveGroup",
+    "GetGroup",
+    "Restore",
+    "ListAudit",
+    "RecordResize",
+    "Session",
+)
 
 
 class Metrics:

@@ -6,6 +6,14 @@ Responsibilities:
   serialises writers across all replicas, so two replicas can never grant overlapping ranges
   and the audit chain stays linear. Under READ COMMITTED, each statement after the lock sees
   everything committed before it, so the operations' re-checks read the latest state.
+- Round trips: a batch runs in psycopg's pipeline mode. Statements whose outcome nobody reads
+  before the commit (`Tx.write`: savepoints, a grant's inserts, the audit record and head)
+  go out without waiting, and travel with the next query, whose result an operation needs:
+  a grant costs one round trip (its state read) instead of seven, and BEGIN with the head
+  lock one. Before COMMIT the pipeline is synced, so an error of any statement fails the
+  attempt before anything commits; such an attempt runs again without the pipeline, where
+  each operation's error is its own (an error surfaces at a later statement in pipeline
+  mode). The next batch is pipelined again.
 - Retries: serialization failures (40001), deadlocks (40P01) and lost connections abort the
   batch, which runs again with bounded backoff (at most `max_attempts` times), then callers
   get UNAVAILABLE. A broken writer connection is replaced before the next attempt. A
@@ -48,6 +56,7 @@ from rngcoord.server.store import (
     StoreLost,
     StoreNotFound,
     Tx,
+    WriteProblem,
     apply_migrations,
     read_store_id,
 )
@@ -128,13 +137,25 @@ class PostgresTx:
 
     Args:
         conn: the connection whose open transaction the statements run in.
+        pipeline: the connection's pipeline, when the transaction runs in pipeline mode:
+            `write` then sends without waiting, and a query's fetch, or `execute`'s sync,
+            collects what was sent before it in the same round trip. Default None.
     """
 
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+    def __init__(
+        self, conn: psycopg.Connection[Any], pipeline: psycopg.Pipeline | None = None
+    ) -> None:
         self._conn = conn
+        self._pipeline = pipeline
 
     def execute(self, sql: str, params: Sequence[object] = ()) -> int:
-        return self._conn.execute(convert_placeholders(sql), tuple(params)).rowcount
+        cursor = self._conn.execute(convert_placeholders(sql), tuple(params))
+        if self._pipeline is not None:
+            self._pipeline.sync()  # the row count arrives with the statement's result
+        return cursor.rowcount
+
+    def write(self, sql: str, params: Sequence[object] = ()) -> None:
+        self._conn.execute(convert_placeholders(sql), tuple(params))
 
     def executemany(self, sql: str, params: Sequence[Sequence[object]]) -> None:
         with self._conn.cursor() as cursor:
@@ -253,6 +274,11 @@ class PostgresStore:
         self._close_lock = threading.Lock()
 
         self._conn: psycopg.Connection[Any] | None = None
+        # Pipeline mode for the next write attempt; whether the current one is pipelined, and
+        # its pipeline while open (set before `_migrate`, whose failure calls `_rollback`).
+        self._pipelined = True
+        self._attempt_pipelined = False
+        self._pipe: contextlib.ExitStack | None = None
         try:
             self._migrate()
         except psycopg.OperationalError as exc:
@@ -284,6 +310,7 @@ class PostgresStore:
             commit=self._commit,
             rollback=self._rollback,
             is_retryable=_is_retryable,
+            rerun=self._rerun,
             is_unavailable=self.is_unavailable,
             name="rngcoord-postgres-writer",
             max_batch=max_batch,
@@ -341,7 +368,9 @@ class PostgresStore:
                     "(a new store starts every stream again at offset 0; after losing a store, "
                     "add --floor-from AUDIT_EXPORT), or point --db at the existing one"
                 )
-            apply_migrations(PostgresTx(conn), "postgres")
+            apply_migrations(
+                PostgresTx(conn), "postgres", create=self._create, location=self.location
+            )
             self.store_id = read_store_id(PostgresTx(conn))
             conn.execute("COMMIT")
         except BaseException:
@@ -352,6 +381,11 @@ class PostgresStore:
 
     def _begin(self) -> PostgresTx:
         conn = self._writer_connection()
+        pipeline = None
+        self._attempt_pipelined = self._pipelined
+        if self._pipelined:
+            self._pipe = contextlib.ExitStack()
+            pipeline = self._pipe.enter_context(conn.pipeline())
         conn.execute(self._begin_sql)
         try:
             row = conn.execute(_LOCK_HEAD).fetchone()
@@ -360,7 +394,13 @@ class PostgresStore:
         if row is None or row[0] != self.store_id:
             found = "none" if row is None else row[0]
             raise StoreLost(f"the database {self.url} now holds another store ({found})")
-        return PostgresTx(conn)
+        return PostgresTx(conn, pipeline)
+
+    def _rerun(self, exc: BaseException) -> bool:
+        """True for a database error of a pipelined attempt, whose statement may belong to an
+        earlier operation than the one it surfaced in: the batch runs again at once without
+        the pipeline (`_rollback` turns it off), where each operation's error is its own."""
+        return self._attempt_pipelined and isinstance(exc, psycopg.Error)
 
     def _commit(self) -> None:
         # Never `_writer_connection()` here: a fresh connection would have no transaction to
@@ -369,6 +409,12 @@ class PostgresStore:
         if conn is None:
             raise _CommitOutcomeUnknown(f"no connection to {self.url} to commit on")
         conn.execute(f"NOTIFY {CHANGES_CHANNEL}")
+        if self._pipe is not None:
+            # Sync before COMMIT: an error of any statement sent raises here, with nothing
+            # committed (`_rerun` then runs the batch again without the pipeline).
+            self._pipe.close()
+            self._pipe = None
+        self._pipelined = True
         try:
             conn.execute("COMMIT")
         except psycopg.Error as exc:
@@ -380,6 +426,14 @@ class PostgresStore:
             raise
 
     def _rollback(self) -> None:
+        # The next attempt runs unpipelined, so that a rerun gets each error where it belongs;
+        # the next commit turns the pipeline back on.
+        self._pipelined = False
+        if self._pipe is not None:
+            pipe, self._pipe = self._pipe, None
+            # Leaving pipeline mode syncs, and re-raises the error that failed the attempt.
+            with contextlib.suppress(psycopg.Error):
+                pipe.close()
         conn = self._conn
         if conn is None or conn.closed:
             return
@@ -404,6 +458,10 @@ class PostgresStore:
     def submit(self, fn: Callable[[Tx], T]) -> Future[T]:
         """`write` without waiting; see `Store.submit`."""
         return self._writer.submit(fn)
+
+    def write_problem(self, stall_s: float) -> WriteProblem | None:
+        """See `Store.write_problem`."""
+        return self._writer.problem(stall_s)
 
     # -------------------------------------------------------------------------- reads
 

@@ -12,23 +12,30 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rngcoord.server.store import Tx, from_db, to_db
 
 __all__ = [
     "RESERVE_LOOKUP",
+    "Attestation",
     "EpochRow",
     "GroupRow",
     "LeaseRow",
+    "Member",
     "PendingRow",
     "ReserveState",
     "audit_head",
+    "chain_records",
+    "covered_offsets",
     "epoch_row",
+    "first_pending_us",
     "group_row",
     "insert_epoch",
     "insert_group",
     "insert_job",
     "insert_lease",
+    "insert_side",
     "job_seed",
     "lease_count",
     "lease_row",
@@ -37,6 +44,7 @@ __all__ = [
     "members_page",
     "reserve_state",
     "restore_cursor",
+    "sides",
 ]
 
 
@@ -74,6 +82,22 @@ class LeaseRow:
 
 
 @dataclass(frozen=True, slots=True)
+class Member:
+    """What the store holds of a rank of an epoch.
+
+    Args:
+        member_id: the member id that holds the rank.
+        left: whether it left the epoch.
+        secret_hash: `secret_hash` of its secret; None for members of epochs formed before
+            members had credentials, who must join again.
+    """
+
+    member_id: str
+    left: bool
+    secret_hash: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
 class PendingRow:
     """A rank waiting in a join barrier."""
 
@@ -81,6 +105,7 @@ class PendingRow:
     member_id: str
     world_size: int
     expires_us: int
+    secret_hash: bytes | None
 
 
 def job_seed(tx: Tx, job: str) -> int | None:
@@ -103,6 +128,14 @@ def group_row(tx: Tx, job: str, group: str) -> GroupRow | None:
     if row is None:
         return None
     return GroupRow(from_db(row[0]), int(row[1]), from_db(row[2]), int(row[3]), int(row[4]))
+
+
+def chain_records(tx: Tx, job: str, group: str, kind: str) -> bool:
+    """Whether the audit chain holds a `kind` record of (job, group): one index lookup."""
+    row = tx.fetchone(
+        "SELECT 1 FROM audit WHERE job = ? AND grp = ? AND kind = ? LIMIT 1", (job, group, kind)
+    )
+    return row is not None
 
 
 def floor_of(tx: Tx, job: str, group: str) -> int:
@@ -167,18 +200,62 @@ def insert_epoch(
     start: int,
     digest: bytes,
     now_us: int,
+    launch: str = "",
+    restart_count: int = 0,
 ) -> None:
     """Record a new epoch and make it the group's current one, which fences every older one."""
     tx.execute(
         "INSERT INTO epochs (job, grp, epoch, world_size, start, members_digest, diverged, "
-        "created_us) VALUES (?, ?, ?, ?, ?, ?, NULL, ?)",
-        (job, group, epoch, world_size, to_db(start), digest, now_us),
+        "created_us, launch, restart_count) VALUES (?, ?, ?, ?, ?, ?, NULL, ?, ?, ?)",
+        (job, group, epoch, world_size, to_db(start), digest, now_us, launch, restart_count),
     )
     tx.execute(
         "UPDATE groups SET epoch = ?, barrier_size = 0, barrier_count = 0 "
         "WHERE job = ? AND grp = ?",
         (epoch, job, group),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class EpochLaunch:
+    """Which launch formed an epoch, and when its members were last seen active."""
+
+    launch: str
+    restart_count: int
+    active_us: int
+
+
+def epoch_launch(tx: Tx, job: str, group: str, epoch: int) -> EpochLaunch | None:
+    """The launch of an epoch and the time of its members' latest activity that the store
+    records: the epoch's forming, its latest lease and its latest attestation. Three reads by
+    key (the latest lease and attestation by their primary key's order), whatever the size."""
+    row = tx.fetchone(
+        "SELECT launch, restart_count, created_us FROM epochs "
+        "WHERE job = ? AND grp = ? AND epoch = ?",
+        (job, group, epoch),
+    )
+    if row is None:
+        return None
+    active = int(row[2])
+    for sql in (
+        "SELECT created_us FROM leases WHERE job = ? AND grp = ? AND epoch = ? "
+        "ORDER BY seq DESC LIMIT 1",
+        "SELECT created_us FROM attestations WHERE job = ? AND grp = ? AND epoch = ? "
+        "ORDER BY anchor_seq DESC, ops DESC LIMIT 1",
+    ):
+        latest = tx.fetchone(sql, (job, group, epoch))
+        if latest is not None:
+            active = max(active, int(latest[0]))
+    return EpochLaunch(str(row[0]), int(row[1]), active)
+
+
+def member_peers(tx: Tx, job: str, group: str, epoch: int, limit: int) -> list[str]:
+    """Up to `limit` distinct peer addresses of an epoch's members."""
+    rows = tx.fetchall(
+        "SELECT DISTINCT peer FROM members WHERE job = ? AND grp = ? AND epoch = ? LIMIT ?",
+        (job, group, epoch, limit),
+    )
+    return [str(r[0]) for r in rows]
 
 
 def set_diverged(tx: Tx, job: str, group: str, epoch: int, record: str) -> None:
@@ -188,16 +265,26 @@ def set_diverged(tx: Tx, job: str, group: str, epoch: int, record: str) -> None:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Attestation:
+    """The first attestation of an op count: what was sent, and by whom."""
+
+    fingerprint: bytes
+    rank: int
+    actor: str
+    peer: str
+
+
 def attestation(
     tx: Tx, job: str, group: str, epoch: int, anchor_seq: int, ops: int
-) -> tuple[bytes, int] | None:
-    """(fingerprint, rank) first attested for the key, or None."""
+) -> Attestation | None:
+    """The first attestation of the key, or None."""
     row = tx.fetchone(
-        "SELECT fingerprint, rank FROM attestations "
+        "SELECT fingerprint, rank, actor, peer FROM attestations "
         "WHERE job = ? AND grp = ? AND epoch = ? AND anchor_seq = ? AND ops = ?",
         (job, group, epoch, anchor_seq, ops),
     )
-    return None if row is None else (bytes(row[0]), int(row[1]))
+    return None if row is None else Attestation(bytes(row[0]), int(row[1]), row[2], row[3])
 
 
 def insert_attestation(
@@ -207,29 +294,95 @@ def insert_attestation(
     epoch: int,
     anchor_seq: int,
     ops: int,
-    fingerprint: bytes,
-    rank: int,
+    first: Attestation,
     now_us: int,
 ) -> None:
-    tx.execute(
+    tx.write(
         "INSERT INTO attestations "
-        "(job, grp, epoch, anchor_seq, ops, fingerprint, rank, created_us) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        (job, group, epoch, anchor_seq, ops, fingerprint, rank, now_us),
+        "(job, grp, epoch, anchor_seq, ops, fingerprint, rank, actor, peer, created_us) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            job,
+            group,
+            epoch,
+            anchor_seq,
+            ops,
+            first.fingerprint,
+            first.rank,
+            first.actor,
+            first.peer,
+            now_us,
+        ),
     )
+
+
+def covered_offsets(tx: Tx, job: str, group: str, epoch: int, anchor_seq: int) -> int:
+    """Offsets granted in the epoch from the start of lease `anchor_seq` to the end of its
+    last lease: what the ops since that anchor can have drawn from (0 with no lease)."""
+    row = tx.fetchone(
+        'SELECT a.start, MAX(l."end") FROM leases a JOIN leases l ON l.job = a.job '
+        "AND l.grp = a.grp AND l.epoch = a.epoch AND l.seq >= a.seq "
+        "WHERE a.job = ? AND a.grp = ? AND a.epoch = ? AND a.seq = ? GROUP BY a.start",
+        (job, group, epoch, anchor_seq),
+    )
+    if row is None or row[0] is None:
+        return 0
+    return from_db(row[1]) - from_db(row[0])
+
+
+def insert_side(
+    tx: Tx, job: str, group: str, epoch: int, at: str, side: Any, first: bool, now_us: int
+) -> bool:
+    """Keep what a rank sent at a divergence's point (a `divergences.Side`); False when that
+    rank was heard there already."""
+    return (
+        tx.execute(
+            "INSERT INTO divergence_sides (job, grp, epoch, at, rank, side, first, actor, peer, "
+            "created_us) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (job, grp, epoch, at, rank) DO NOTHING",
+            (
+                job,
+                group,
+                epoch,
+                at,
+                side.rank,
+                side.sent,
+                1 if first else 0,
+                side.actor,
+                side.peer,
+                now_us,
+            ),
+        )
+        > 0
+    )
+
+
+def sides(tx: Tx, job: str, group: str, epoch: int, at: str) -> list[tuple[int, str, bool]]:
+    """(rank, what it sent, whether it spoke first) of every rank heard at a divergence's
+    point, in rank order."""
+    rows = tx.fetchall(
+        "SELECT rank, side, first FROM divergence_sides "
+        "WHERE job = ? AND grp = ? AND epoch = ? AND at = ? ORDER BY rank",
+        (job, group, epoch, at),
+    )
+    return [(int(r), str(sent), bool(first)) for r, sent, first in rows]
 
 
 # ------------------------------------------------------------------------------- members
 
 
-def member(tx: Tx, job: str, group: str, epoch: int, rank: int) -> tuple[str, int | None] | None:
-    """(member_id, left_us) of `rank` in the epoch, or None when the epoch has no such rank."""
+def member(tx: Tx, job: str, group: str, epoch: int, rank: int) -> Member | None:
+    """`rank` of the epoch, or None when the epoch has no such rank."""
     row = tx.fetchone(
-        "SELECT member_id, left_us FROM members "
+        "SELECT member_id, left_us, secret_hash FROM members "
         "WHERE job = ? AND grp = ? AND epoch = ? AND rank = ?",
         (job, group, epoch, rank),
     )
-    return None if row is None else (row[0], None if row[1] is None else int(row[1]))
+    return None if row is None else _member(row[0], row[1], row[2])
+
+
+def _member(member_id: str, left_us: int | None, secret: bytes | None) -> Member:
+    return Member(member_id, left_us is not None, None if secret is None else bytes(secret))
 
 
 def members_page(
@@ -304,13 +457,19 @@ def pending_of_ranks(tx: Tx, job: str, group: str, ranks: Sequence[int]) -> dict
     for i in range(0, len(wanted), 500):
         chunk = wanted[i : i + 500]
         rows = tx.fetchall(
-            "SELECT rank, member_id, world_size, expires_us FROM pending_joins "
+            "SELECT rank, member_id, world_size, expires_us, secret_hash FROM pending_joins "
             f"WHERE job = ? AND grp = ? AND expires_us <> ? "
             f"AND rank IN ({', '.join('?' for _ in chunk)})",
             (job, group, WITHDRAWN, *chunk),
         )
-        for rank, member_id, world_size, expires_us in rows:
-            found[int(rank)] = PendingRow(int(rank), member_id, int(world_size), int(expires_us))
+        for rank, member_id, world_size, expires_us, secret in rows:
+            found[int(rank)] = PendingRow(
+                int(rank),
+                member_id,
+                int(world_size),
+                int(expires_us),
+                None if secret is None else bytes(secret),
+            )
     return found
 
 
@@ -350,12 +509,13 @@ def missing_ranks(
 
 def upsert_pending(tx: Tx, job: str, group: str, rows: Sequence[tuple[object, ...]]) -> None:
     """Insert or replace pending joins: rows of (rank, member_id, world_size, expires_us,
-    joined_us, peer)."""
+    joined_us, peer, secret_hash)."""
     tx.executemany(
         "INSERT INTO pending_joins (job, grp, rank, member_id, world_size, expires_us, joined_us, "
-        "peer) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job, grp, rank) DO UPDATE SET "
-        "member_id = excluded.member_id, world_size = excluded.world_size, "
-        "expires_us = excluded.expires_us, joined_us = excluded.joined_us, peer = excluded.peer",
+        "peer, secret_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job, grp, rank) DO "
+        "UPDATE SET member_id = excluded.member_id, world_size = excluded.world_size, "
+        "expires_us = excluded.expires_us, joined_us = excluded.joined_us, peer = excluded.peer, "
+        "secret_hash = excluded.secret_hash",
         [(job, group, *row) for row in rows],
     )
 
@@ -379,11 +539,21 @@ def pending_members(tx: Tx, job: str, group: str) -> list[tuple[int, str]]:
     return [(int(r), m) for r, m in rows]
 
 
+def first_pending_us(tx: Tx, job: str, group: str) -> int | None:
+    """When the earliest pending (not withdrawn) join of the group arrived, or None."""
+    row = tx.fetchone(
+        "SELECT MIN(joined_us) FROM pending_joins WHERE job = ? AND grp = ? AND expires_us <> ?",
+        (job, group, WITHDRAWN),
+    )
+    return None if row is None or row[0] is None else int(row[0])
+
+
 def promote_pending(tx: Tx, job: str, group: str, epoch: int) -> None:
     """Make the group's pending joins the members of `epoch`, and clear them all."""
     tx.execute(
-        "INSERT INTO members (job, grp, epoch, rank, member_id, joined_us, left_us, peer) "
-        "SELECT job, grp, ?, rank, member_id, joined_us, NULL, peer FROM pending_joins "
+        "INSERT INTO members (job, grp, epoch, rank, member_id, joined_us, left_us, peer, "
+        "secret_hash) SELECT job, grp, ?, rank, member_id, joined_us, NULL, peer, secret_hash "
+        "FROM pending_joins "
         "WHERE job = ? AND grp = ? AND expires_us <> ?",
         (epoch, job, group, WITHDRAWN),
     )
@@ -393,7 +563,7 @@ def promote_pending(tx: Tx, job: str, group: str, epoch: int) -> None:
 # ------------------------------------------------------------------------------- leases
 
 RESERVE_LOOKUP = (
-    "SELECT g.seed, g.epoch, e.diverged, m.member_id, m.left_us, "
+    "SELECT g.seed, g.epoch, e.diverged, m.member_id, m.left_us, m.secret_hash, "
     'l.start, l."end", l.size, l.fingerprint '
     "FROM groups g "
     "LEFT JOIN epochs e ON e.job = g.job AND e.grp = g.grp AND e.epoch = g.epoch "
@@ -408,8 +578,8 @@ database (nor its signed 64-bit range)."""
 
 _RESERVE_STATE = (
     "SELECT g.seed, g.epoch, g.high_water, e.start, e.diverged, m.member_id, m.left_us, "
-    'l.start, l."end", l.size, l.fingerprint, l.rank, p."end", r."cursor", '
-    "h.last_id, h.last_hash "
+    'm.secret_hash, l.start, l."end", l.size, l.fingerprint, l.rank, l.actor, l.peer, '
+    'p."end", r."cursor", h.last_id, h.last_hash '
     "FROM groups g JOIN audit_head h ON h.id = 1 "
     "LEFT JOIN epochs e ON e.job = g.job AND e.grp = g.grp AND e.epoch = g.epoch "
     "LEFT JOIN members m ON m.job = g.job AND m.grp = g.grp AND m.epoch = g.epoch AND m.rank = ? "
@@ -429,10 +599,9 @@ class ReserveState:
     high_water: int
     epoch_start: int | None
     diverged: str | None
-    member_id: str | None
-    left: bool
+    member: Member | None
     granted: LeaseRow | None
-    granted_rank: int | None
+    granted_by: tuple[int, str, str] | None  # (rank, actor, peer) of the grant's requester
     previous_end: int | None
     restored_cursor: int | None
     head: tuple[int, str]
@@ -444,8 +613,9 @@ def reserve_state(tx: Tx, job: str, group: str, rank: int, seq: int) -> ReserveS
     row = tx.fetchone(_RESERVE_STATE, (rank, seq, seq - 1, seq, job, group))
     if row is None:
         return None
-    (seed, epoch, high_water, start, diverged, member_id, left_us) = row[:7]
-    (g_start, g_end, g_size, g_fp, g_rank, prev_end, cursor, last_id, last_hash) = row[7:]
+    (seed, epoch, high_water, start, diverged, member_id, left_us, secret) = row[:8]
+    (g_start, g_end, g_size, g_fp, g_rank, g_actor, g_peer) = row[8:15]
+    (prev_end, cursor, last_id, last_hash) = row[15:]
     granted = None
     if g_start is not None:
         granted = LeaseRow(from_db(g_start), from_db(g_end), from_db(g_size), bytes(g_fp))
@@ -455,10 +625,9 @@ def reserve_state(tx: Tx, job: str, group: str, rank: int, seq: int) -> ReserveS
         high_water=from_db(high_water),
         epoch_start=None if start is None else from_db(start),
         diverged=diverged,
-        member_id=member_id,
-        left=left_us is not None,
+        member=None if member_id is None else _member(member_id, left_us, secret),
         granted=granted,
-        granted_rank=None if g_rank is None else int(g_rank),
+        granted_by=None if g_rank is None else (int(g_rank), g_actor, g_peer),
         previous_end=None if prev_end is None else from_db(prev_end),
         restored_cursor=None if cursor is None else from_db(cursor),
         head=(int(last_id), str(last_hash)),
@@ -494,13 +663,15 @@ def insert_lease(
     *,
     rank: int,
     member_id: str,
+    actor: str,
+    peer: str,
     now_us: int,
     high_water: int,
 ) -> None:
-    """Record a grant and raise the group's high-water mark past it."""
-    tx.execute(
+    """Record a grant (and who asked for it) and raise the group's high-water mark past it."""
+    tx.write(
         'INSERT INTO leases (job, grp, epoch, seq, start, "end", size, fingerprint, rank, '
-        "member_id, created_us) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        "member_id, actor, peer, created_us) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
             job,
             group,
@@ -512,11 +683,13 @@ def insert_lease(
             lease.fingerprint,
             rank,
             member_id,
+            actor,
+            peer,
             now_us,
         ),
     )
     if lease.end > high_water:
-        tx.execute(
+        tx.write(
             "UPDATE groups SET high_water = ? WHERE job = ? AND grp = ?",
             (to_db(lease.end), job, group),
         )
@@ -637,3 +810,38 @@ def audit_feed(
         (after_id, *kinds, limit),
     )
     return [(int(i), k, j, g, d) for i, k, j, g, d in rows]
+
+
+def insert_resize(
+    tx: Tx, job: str, group: str, epoch: int, saved_group: str, saved_cursor: int, now_us: int
+) -> bool:
+    """Record that epoch `epoch` of `group` could not continue `saved_group`'s stream; False
+    when that was recorded already."""
+    return (
+        tx.execute(
+            "INSERT INTO resizes (job, grp, epoch, saved_grp, saved_cursor, created_us) "
+            "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (job, grp, epoch, saved_grp) DO NOTHING",
+            (job, group, epoch, saved_group, to_db(saved_cursor), now_us),
+        )
+        > 0
+    )
+
+
+def resize_count(tx: Tx, job: str, group: str, epoch: int) -> int:
+    """How many resizes epoch `epoch` of `group` records (a primary-key prefix range)."""
+    row = tx.fetchone(
+        "SELECT COUNT(*) FROM resizes WHERE job = ? AND grp = ? AND epoch = ?",
+        (job, group, epoch),
+    )
+    return 0 if row is None else int(row[0])
+
+
+def has_resize(tx: Tx, job: str, group: str, epoch: int, saved_group: str) -> bool:
+    """Whether epoch `epoch` of `group` records a resize from `saved_group`."""
+    return (
+        tx.fetchone(
+            "SELECT 1 FROM resizes WHERE job = ? AND grp = ? AND epoch = ? AND saved_grp = ?",
+            (job, group, epoch, saved_group),
+        )
+        is not None
+    )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import html
 import io
+import itertools
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -83,6 +84,7 @@ def render_report(report: JobReport, plt: Any) -> str:
 <html lang="en">
 <head>
 <meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'">
 <title>rngcoord report: {e(report.job)}</title>
 <style>
   body {{ font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }}
@@ -154,16 +156,18 @@ def _timeline_svg(ids: str, g: GroupHistory, plt: Any) -> str:
         return '<p class="meta">No epoch formed in this group.</p>'
     t0 = min(times)
     t_end = max(times)
-    span = max((t_end - t0) / 1e6, 1e-3)
+    unit, scale = _time_unit((t_end - t0) / 1e6)
+    span = max((t_end - t0) / 1e6 / scale, 1e-3)
 
     def at(ts_us: float) -> float:
-        return (ts_us - t0) / 1e6
+        return (ts_us - t0) / 1e6 / scale
 
     fig, ax = plt.subplots(figsize=(11, 3.6), dpi=96)
     try:
         for i, ep in enumerate(g.epochs):
-            left = at(ep.created_us)
-            right = at(g.epochs[i + 1].created_us) if i + 1 < len(g.epochs) else span * 1.02
+            # The first band starts at the axis' left edge, a little before 0.
+            left = at(ep.created_us) if i else min(at(ep.created_us), -span * 0.01)
+            right = at(g.epochs[i + 1].created_us) if i + 1 < len(g.epochs) else span * 1.04
             ax.axvspan(
                 left, right, color=_BAND_COLORS[i % 2], zorder=0, gid=f"{ids}-epoch-{ep.epoch}"
             )
@@ -207,15 +211,20 @@ def _timeline_svg(ids: str, g: GroupHistory, plt: Any) -> str:
             ax.text(
                 at(ts_us),
                 0.92,
-                f" divergence: epoch {epoch}, ranks {', '.join(map(str, ranks))}",
+                f" divergence: epoch {epoch}, ranks {', '.join(map(str, ranks))} ",
                 transform=ax.get_xaxis_transform(),
+                # Toward the middle, so that the text stays over the axes.
+                ha="right" if at(ts_us) > span / 2 else "left",
                 color="#c00020",
                 fontsize=8,
             )
-        ax.set_xlim(0, span * 1.02)
+        # A little room left of 0: the first lease's bar starts there.
+        ax.set_xlim(-span * 0.01, span * 1.04)
         ax.set_ylim(bottom=0, top=max(g.high_water, 1) * 1.05)
-        ax.set_xlabel(f"seconds since {_utc_s(t0)} UTC")
+        ax.set_xlabel(f"{unit} since {_utc_s(t0)} UTC")
         ax.set_ylabel("offset")
+        ax.yaxis.set_major_formatter(_thousands(plt))
+        ax.xaxis.set_major_formatter(_thousands(plt, digits=True))
         ax.grid(axis="y", color="#ddd", linewidth=0.5)
         fig.tight_layout()
         buf = io.StringIO()
@@ -234,12 +243,17 @@ def _draw_leases(
     if not leases:
         return []
     if len(leases) <= MAX_BARS:
-        # One bar per lease, a sliver of the time axis wide.
+        # One bar per lease, as wide as most gaps between grants allow (so that a job of a
+        # few leases shows bars, not hairlines), and never narrower than 1/MAX_BARS of the
+        # axis.
+        xs = [at(lease.created_us) for lease in leases]
+        gaps = sorted(b - a for a, b in itertools.pairwise(xs) if b > a)
+        typical = gaps[len(gaps) // 2] * 0.8 if gaps else span / 40
         bars = ax.bar(
-            [at(lease.created_us) for lease in leases],
+            xs,
             [max(lease.end - lease.start, min_height) for lease in leases],
             bottom=[lease.start for lease in leases],
-            width=span / MAX_BARS,
+            width=min(max(typical, span / MAX_BARS), span / 40),
             align="edge",
             color=_LEASE_RGB,
             linewidth=0,
@@ -268,6 +282,29 @@ def _draw_leases(
         xs, heights, bottom=bottoms, width=width, align="edge", color=colors, linewidth=0, zorder=3
     )
     return list(bars)
+
+
+def _time_unit(span_s: float) -> tuple[str, float]:
+    """The time axis' unit for a timeline `span_s` seconds long, and its length in seconds:
+    a job of a few seconds reads in seconds (or milliseconds), a week-long one in hours."""
+    if span_s < 2:
+        return "milliseconds", 1e-3
+    if span_s < 300:
+        return "seconds", 1.0
+    if span_s < 3 * 3600:
+        return "minutes", 60.0
+    return "hours", 3600.0
+
+
+def _thousands(plt: Any, *, digits: bool = False) -> Any:
+    """A tick formatter with thousands separators (offsets reach 2^64, times 10^5 ms)."""
+
+    def fmt(value: float, _pos: int) -> str:
+        if digits and value != int(value):
+            return f"{value:,.1f}"
+        return f"{value:,.0f}"
+
+    return plt.FuncFormatter(fmt)
 
 
 def _utc_s(ts_us: float) -> str:

@@ -26,23 +26,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from time import perf_counter
 from typing import NoReturn
 
 import grpc
+from grpc_status import rpc_status
 
+from rngcoord.server import session
 from rngcoord.server.coordinator import Coordinator
-from rngcoord.server.errors import CoordinatorError, Divergence, Unavailable
-from rngcoord.server.gate import current_identity
+from rngcoord.server.errors import CoordinatorError, Divergence, InvalidArgument, Unavailable
+from rngcoord.server.gate import StreamCaps, current_identity, peer_host
 from rngcoord.server.logs import event, get_logger
+from rngcoord.server.membership import Caller
 from rngcoord.server.metrics import Metrics
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
-from rngcoord.v1.status import rich_status
+from rngcoord.v1.status import HEAD_TRAILER, rich_status
 
 _log = get_logger("service")
 _INTERNAL = pb.ErrorReason.Name(pb.INTERNAL_ERROR)
-HEAD_TRAILER = "rngcoord-audit-head"
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -51,20 +54,56 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     Args:
         coordinator: the domain logic and its store.
         metrics: where outcomes are counted. Default: a fresh `Metrics` nobody exports.
+        audit_streams: the caps on open ListAudit streams, per peer host and in all.
+            Default: `StreamCaps()`'s defaults.
+        audit_stall_s: a ListAudit stream whose client takes no record for this long is
+            ended (DEADLINE_EXCEEDED). Default 60.
+        sessions: the caps on open Session streams, per peer host and in all. Default:
+            128 per host, 16,384 in all.
+        admit: checks each request of a Session stream as the gate checks a call
+            (`Gate.admit`). Default None: every request is admitted (no gate).
     """
 
-    def __init__(self, coordinator: Coordinator, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        metrics: Metrics | None = None,
+        *,
+        audit_streams: StreamCaps | None = None,
+        audit_stall_s: float = 60.0,
+        sessions: StreamCaps | None = None,
+        admit: session.Admit | None = None,
+    ) -> None:
         self._coord = coordinator
+        self._sessions = (
+            sessions if sessions is not None else StreamCaps(128, 16384, method="Session")
+        )
+        self._admit = admit
+        self._session_handlers: dict[str, tuple[str, session.Handler]] = {
+            "join_group": ("JoinGroup", self.JoinGroup),
+            "join_groups": ("JoinGroups", self.JoinGroups),
+            "reserve": ("Reserve", self.Reserve),
+            "attest": ("Attest", self.Attest),
+            "leave_group": ("LeaveGroup", self.LeaveGroup),
+            "get_group": ("GetGroup", self.GetGroup),
+            "restore": ("Restore", self.Restore),
+            "record_resize": ("RecordResize", self.RecordResize),
+        }
+        self._audit_streams = audit_streams if audit_streams is not None else StreamCaps()
+        self._audit_stall_s = audit_stall_s
         self._metrics = metrics if metrics is not None else Metrics()
         latency = self._metrics.latency
         # Bound once so that the hot path does no dictionary or label lookups.
         self._join_seconds = latency["JoinGroup"]
+        self._join_groups_seconds = latency["JoinGroups"]
         self._reserve_seconds = latency["Reserve"]
         self._attest_seconds = latency["Attest"]
         self._leave_seconds = latency["LeaveGroup"]
         self._get_seconds = latency["GetGroup"]
         self._restore_seconds = latency["Restore"]
         self._audit_seconds = latency["ListAudit"]
+        self._resize_seconds = latency["RecordResize"]
+        self._session_seconds = latency["Session"]
         self._grants = self._metrics.grants
         self._hits = self._metrics.hits
         self._store_id = coordinator.store.store_id
@@ -87,32 +126,55 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.JoinGroupRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> pb.JoinGroupResponse:
         t0 = perf_counter()
-        timeout_s = request.timeout_ms / 1000 if request.timeout_ms else None
-        remaining = context.time_remaining()
-        if timeout_s is not None and remaining is not None:
-            # Waiting past the caller's own deadline would keep a place for nobody.
-            timeout_s = max(min(timeout_s, remaining), 0.001)
-        peer = context.peer()
         try:
             self._check_store()
-            r = await self._coord.join(
-                request.job,
-                request.group,
-                rank=request.rank,
-                world_size=request.world_size,
-                member_id=request.member_id,
-                job_seed=request.job_seed if request.HasField("job_seed") else None,
-                timeout_s=timeout_s,
-                actor=_actor(request.rank, request.member_id, context),
-                peer=peer,
-                include_members=request.include_members,
-            )
+            reply = await self._join(request, context)
         except Exception as exc:
             await self._fail("JoinGroup", exc, context, t0)
         self._join_seconds.observe(perf_counter() - t0)
+        self._set_head(context)
+        return reply
+
+    async def JoinGroups(
+        self, request: pb.JoinGroupsRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.JoinGroupsResponse:
+        t0 = perf_counter()
+        try:
+            self._check_store()
+            joins = _joins_of(request)
+            try:
+                # The first join to fail cancels the others (their barriers are left).
+                async with asyncio.TaskGroup() as group:
+                    tasks = [group.create_task(self._join(j, context)) for j in joins]
+            except BaseExceptionGroup as failed:
+                raise _first(failed) from None
+        except Exception as exc:
+            await self._fail("JoinGroups", exc, context, t0)
+        self._join_groups_seconds.observe(perf_counter() - t0)
+        self._set_head(context)
+        return pb.JoinGroupsResponse(results=[t.result() for t in tasks])
+
+    async def _join(
+        self, request: pb.JoinGroupRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.JoinGroupResponse:
+        r = await self._coord.join(
+            request.job,
+            request.group,
+            rank=request.rank,
+            world_size=request.world_size,
+            member_id=request.member_id,
+            member_secret=request.member_secret,
+            job_seed=request.job_seed if request.HasField("job_seed") else None,
+            timeout_s=self._coord.wait_s(_timeout_s(request), context.time_remaining()),
+            actor=_actor(request.rank, request.member_id, context),
+            peer=context.peer(),
+            include_members=request.include_members,
+            launch=request.launch,
+            restart_count=request.restart_count,
+            takeover=request.takeover,
+        )
         reply = r.to_pb(include_members=request.include_members)
         reply.store_id = self._store_id
-        self._set_head(context)
         return reply
 
     async def Reserve(
@@ -122,15 +184,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         try:
             self._check_store()
             r = await self._coord.reserve(
-                request.job,
-                request.group,
-                epoch=request.epoch,
+                _caller(request, context),
                 seq=request.seq,
                 size=request.size,
                 fingerprint=request.fingerprint,
-                rank=request.rank,
-                member_id=request.member_id,
-                actor=_actor(request.rank, request.member_id, context),
             )
         except Exception as exc:
             await self._fail("Reserve", exc, context, t0)
@@ -146,15 +203,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         try:
             self._check_store()
             await self._coord.attest(
-                request.job,
-                request.group,
-                epoch=request.epoch,
+                _caller(request, context),
                 anchor_seq=request.anchor_seq,
                 ops=request.ops,
                 fingerprint=request.fingerprint,
-                rank=request.rank,
-                member_id=request.member_id,
-                actor=_actor(request.rank, request.member_id, context),
             )
         except Exception as exc:
             await self._fail("Attest", exc, context, t0)
@@ -167,14 +219,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         t0 = perf_counter()
         try:
             self._check_store()
-            await self._coord.leave(
-                request.job,
-                request.group,
-                epoch=request.epoch,
-                rank=request.rank,
-                member_id=request.member_id,
-                actor=_actor(request.rank, request.member_id, context),
-            )
+            await self._coord.leave(_caller(request, context))
         except Exception as exc:
             await self._fail("LeaveGroup", exc, context, t0)
         self._leave_seconds.observe(perf_counter() - t0)
@@ -203,36 +248,48 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> pb.RestoreResponse:
         t0 = perf_counter()
-        timeout_s = request.timeout_ms / 1000 if request.timeout_ms else None
-        remaining = context.time_remaining()
-        if remaining is not None:
-            # Waiting for votes past the caller's own deadline would answer nobody.
-            timeout_s = max(min(timeout_s or remaining, remaining), 0.001)
         try:
             self._check_store()
             r = await self._coord.restore(
-                request.job,
-                request.group,
-                epoch=request.epoch,
+                _caller(request, context),
                 seq=request.seq,
                 cursor=request.cursor,
-                rank=request.rank,
-                member_id=request.member_id,
-                actor=_actor(request.rank, request.member_id, context),
                 force=request.force,
-                timeout_s=timeout_s,
+                timeout_s=self._coord.wait_s(_timeout_s(request), context.time_remaining()),
             )
         except Exception as exc:
             await self._fail("Restore", exc, context, t0)
         self._restore_seconds.observe(perf_counter() - t0)
         return r.to_pb()
 
+    async def RecordResize(
+        self, request: pb.RecordResizeRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.RecordResizeResponse:
+        t0 = perf_counter()
+        try:
+            self._check_store()
+            existing = await self._coord.record_resize(
+                _caller(request, context),
+                saved_group=request.saved_group,
+                saved_cursor=request.saved_cursor,
+            )
+        except Exception as exc:
+            await self._fail("RecordResize", exc, context, t0)
+        self._resize_seconds.observe(perf_counter() - t0)
+        return pb.RecordResizeResponse(existing=existing)
+
     async def ListAudit(  # type: ignore[override]
         self, request: pb.ListAuditRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> None:
-        # Each write waits for the client to take the record (HTTP/2 flow control), so a
-        # stream that is not read holds only its position; a cancelled one stops here.
+        # A write waits until HTTP/2 flow control lets the record out, and the next page is
+        # read only once the last record of this one was written. So a stream its client does
+        # not read holds one small page of records and gRPC's state for the call (about
+        # 40 KB; measured in docs/design.md §11.4), never the log; the caps per peer host and
+        # per process bound how many such streams there are, and a write the client does not
+        # take for `audit_stall_s` ends the stream.
         t0 = perf_counter()
+        host = peer_host(context.peer())
+        admitted = stalled = False
         try:
             self._check_store()
             records = self._coord.list_audit(
@@ -243,11 +300,60 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 until_us=request.until_us,
                 limit=request.limit,
             )
+            self._audit_streams.take(host)
+            admitted = True
             async for record in records:
-                await context.write(record.to_pb())
+                try:
+                    await asyncio.wait_for(context.write(record.to_pb()), self._audit_stall_s)
+                except TimeoutError:
+                    stalled = True
+                    break
         except Exception as exc:
             await self._fail("ListAudit", exc, context, t0)
+        finally:
+            if admitted:
+                self._audit_streams.give(host)
+        if stalled:
+            # Its client reads nothing, so it will hardly see this status: ending the call is
+            # what frees the stream's place and its page.
+            self._metrics.error(grpc.StatusCode.DEADLINE_EXCEEDED)
+            event(
+                _log,
+                logging.WARNING,
+                "audit_stream_stalled",
+                peer=context.peer(),
+                stalled_s=self._audit_stall_s,
+            )
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the client took no audit record for {self._audit_stall_s:g} s, so the server "
+                "ended the stream; open it again (from since_us) to go on",
+            )
         self._audit_seconds.observe(perf_counter() - t0)
+
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[pb.SessionRequest],
+        context: grpc.aio.ServicerContext[object, object],
+    ) -> AsyncIterator[pb.SessionResponse]:
+        t0 = perf_counter()
+        try:
+            self._check_store()
+            async for response in session.serve(
+                request_iterator,
+                context,
+                handlers=self._session_handlers,
+                admit=self._admit,
+                caps=self._sessions,
+            ):
+                yield response
+        except session.SessionEnded as ended:
+            status = rpc_status.to_status(ended.status)
+            self._metrics.error(status.code)
+            await context.abort(status.code, status.details, status.trailing_metadata)
+        except Exception as exc:
+            await self._fail("Session", exc, context, t0)
+        self._session_seconds.observe(perf_counter() - t0)
 
     async def _fail(
         self,
@@ -297,3 +403,80 @@ def _actor(rank: int, member_id: str, context: grpc.aio.ServicerContext[object, 
     who = current_identity()
     name = f"{who.name}: " if who is not None else ""
     return f"{name}rank {rank} member {member_id[:128]} @ {context.peer()}"
+
+
+#: The most joins one JoinGroups carries: a rank's root mesh and its sub-meshes.
+MAX_JOINS = 16
+
+
+def _joins_of(request: pb.JoinGroupsRequest) -> list[pb.JoinGroupRequest]:
+    """The joins of `request`, each under the request's job; InvalidArgument where the joins
+    are none, too many, of another job, or of one group twice."""
+    count = len(request.joins)
+    if not 1 <= count <= MAX_JOINS:
+        raise InvalidArgument(
+            f"JoinGroups carries {count} joins; it takes 1 to {MAX_JOINS}",
+            field="joins",
+            value=count,
+        )
+    joins, groups = [], set()
+    for join in request.joins:
+        if join.job and join.job != request.job:
+            raise InvalidArgument(
+                f"a join of JoinGroups names job {join.job[:128]!r}, but the request is for "
+                f"job {request.job[:128]!r}: one call joins groups of one job",
+                field="joins.job",
+                value=join.job[:128],
+            )
+        if join.group in groups:
+            raise InvalidArgument(
+                f"JoinGroups joins group {join.group[:128]!r} twice",
+                field="joins.group",
+                value=join.group[:128],
+            )
+        groups.add(join.group)
+        copy = pb.JoinGroupRequest()
+        copy.CopyFrom(join)
+        copy.job = request.job
+        joins.append(copy)
+    return joins
+
+
+def _first(failed: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first leaf of `failed` that is not a cancellation (else the first leaf)."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [failed]
+    while pending:
+        e = pending.pop(0)
+        if isinstance(e, BaseExceptionGroup):
+            pending[:0] = list(e.exceptions)
+        else:
+            leaves.append(e)
+    return next((e for e in leaves if not isinstance(e, asyncio.CancelledError)), leaves[0])
+
+
+def _timeout_s(request: pb.JoinGroupRequest | pb.RestoreRequest) -> float | None:
+    """A JoinGroup's or Restore's wait as the request asks it; None for the default."""
+    return request.timeout_ms / 1000 if request.timeout_ms else None
+
+
+def _caller(
+    request: pb.ReserveRequest
+    | pb.AttestRequest
+    | pb.LeaveGroupRequest
+    | pb.RestoreRequest
+    | pb.RecordResizeRequest,
+    context: grpc.aio.ServicerContext[object, object],
+) -> Caller:
+    """Who asks, as which member: the request's member fields, the token's identity and the
+    peer address."""
+    return Caller(
+        request.job,
+        request.group,
+        request.epoch,
+        request.rank,
+        request.member_id,
+        request.member_secret,
+        _actor(request.rank, request.member_id, context),
+        context.peer(),
+    )

@@ -25,6 +25,7 @@ from rngcoord.server.store import (
     StoreLost,
     StoreNotFound,
     Tx,
+    WriteProblem,
     apply_migrations,
     read_store_id,
 )
@@ -53,6 +54,9 @@ class SqliteTx:
 
     def execute(self, sql: str, params: Sequence[object] = ()) -> int:
         return self._conn.execute(sql, tuple(params)).rowcount
+
+    def write(self, sql: str, params: Sequence[object] = ()) -> None:
+        self._conn.execute(sql, tuple(params))
 
     def executemany(self, sql: str, params: Sequence[Sequence[object]]) -> None:
         self._conn.executemany(sql, [tuple(row) for row in params])
@@ -129,7 +133,9 @@ class SqliteStore:
         self._readers_lock = threading.Lock()
         self._closed = False
         try:
-            self._writer.write(lambda tx: apply_migrations(tx, "sqlite"))
+            self._writer.write(
+                lambda tx: apply_migrations(tx, "sqlite", create=create, location=self.location)
+            )
             self.store_id = self._writer.write(read_store_id)
         except BaseException:
             self.close()
@@ -234,6 +240,10 @@ class SqliteStore:
     def submit(self, fn: Callable[[Tx], T]) -> Future[T]:
         """`write` without waiting; see `Store.submit`."""
         return self._writer.submit(fn)
+
+    def write_problem(self, stall_s: float) -> WriteProblem | None:
+        """See `Store.write_problem`."""
+        return self._writer.problem(stall_s)
 
     def data_version(self) -> int:
         """SQLite's `PRAGMA data_version` on this thread's reader connection: it changes

@@ -1,30 +1,54 @@
 """The coordinator's HTTP side: a live status page, its JSON API, and Prometheus /metrics.
 
 `StatusServer` runs an aiohttp application on the event loop of the server it belongs to
-(`rngcoord serve` opens it on the `--metrics` address). Routes:
+(`rngcoord serve` opens it on the `--metrics` address; with `--tls-cert` and `--tls-key` it is
+served over TLS with the same certificate as the gRPC side). Routes:
 
-- `GET /`: the status page (Jinja2, server-side rendered): every job and its groups; for each
-  group its current epoch, members by rank (member id, peer, join time, whether it left),
-  leases granted, the high-water mark as a share of the usable offset space, restores, and a
-  banner naming the ranks of a divergence; then the audit tail, the store id and the anchored
-  head of the audit chain. The page refreshes its parts without reloading: each second it
-  fetches `/partials/groups` (the same template's fragment) and `/api/audit?after=ID`.
+- `GET /`: the status page (Jinja2, server-side rendered): the jobs, grouped by state (active,
+  idle, finished; see `rngcoord.server.views.group_state`), newest activity first, with a
+  filter box; for each group its current epoch, members by rank (member id, peer, join time,
+  whether it left), leases granted, the high-water mark as a share of the usable offset space,
+  restores, and a banner naming the ranks of a divergence; then the audit tail (newest first),
+  the store id and the anchored head of the audit chain. The page refreshes its parts without
+  reloading: each second its script (/static/status.js) fetches `/partials/groups` (the same
+  template's fragment) and `/api/audit?after=ID`.
 - `GET /partials/groups`: the groups fragment of the page.
 - `GET /api/status`: the store id, the audit head and every group, as JSON.
 - `GET /api/audit?after=ID&limit=N`: the newest N (default 50, at most 500) audit records
   after record ID, oldest first, as JSON.
 - `GET /metrics`: Prometheus text format from the server's registry; never needs a token
   (a scraper holds none, as before this page existed).
-- `GET /login`, `POST /login`, `POST /logout`: a form that keeps a token in a cookie.
+- `GET /login`, `POST /login`, `POST /logout`: the sign-in form and its session.
+- `GET /static/status.js`, `/static/status.css`: the page's script and style sheet (files, so
+  that the Content-Security-Policy can forbid every inline script and style).
 
 Access: the page, its fragment and /api need a token of the auditor or admin role (from the
-server's token file, reloaded with it on SIGHUP), sent as `Authorization: Bearer TOKEN` or
-through the login form, which stores it in an HttpOnly, SameSite=Strict cookie (the token
-itself: every worker process and every reload checks it afresh, so no session can outlive
-its token). No token: 401 with the login form. A member token: 403. An auditor whose job
-patterns are not `*` sees only the groups of its jobs, and audit records of its jobs among
-the newest `limit * 10`. The page is open to anyone when the server runs without a token file
-(as its gRPC side then is; logged as a warning) or with `open_access` (`--status-open`).
+server's token file), sent as `Authorization: Bearer TOKEN` or through the sign-in form. No
+token: 401 with the form. A member token: 403. An auditor whose job patterns are not `*` sees
+only the groups of its jobs, and audit records of its jobs among the newest `limit * 10`. The
+page is open to anyone when the server runs without a token file (as its gRPC side then is;
+logged as a warning) or with `open_access` (`--status-open`).
+
+Sessions: signing in creates a server-side session, and the cookie holds only its id (256
+random bits); the session table is keyed by the id's SHA-256 and maps it to the identity, and
+never holds a token. A session ends at a fixed time after sign-in (12 h by default,
+`RNGCOORD_STATUS_SESSION_S`; absolute, not sliding: the page polls each second, so a sliding
+expiry would never end an open tab), on sign-out, and on every reload of the token file
+(SIGHUP): the server keeps no token, so it cannot tell which sessions a new file still
+covers, and ends them all. The cookie is HttpOnly, SameSite=Strict, and under TLS Secure with
+the `__Host-` prefix. The process keeps at most `MAX_SESSIONS`, dropping the oldest.
+
+CSRF: POST /login and /logout must come from this origin (the Origin header, or the Referer
+when there is no Origin, must be this server's scheme://host:port: a form post without
+either is refused) and carry a form token: for sign-in, an HMAC under a per-process key of a
+random pre-session cookie set with the form; for sign-out, the session's own random token.
+Both are compared in constant time.
+
+Every response carries a Content-Security-Policy (scripts, styles and fetches from this
+origin only; no frames, no inline code), X-Frame-Options: DENY, X-Content-Type-Options:
+nosniff and Referrer-Policy: same-origin (no-referrer would make browsers send `Origin: null`
+on the page's own form posts), and every response but the static files Cache-Control:
+no-store.
 
 With `--workers N` the supervisor serves this HTTP side (the workers have none): a
 `StatusThread` runs it on an event loop of its own, reading the store through a `StoreSource`
@@ -34,13 +58,21 @@ and /metrics from the workers' multiprocess registry.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
+import os
+import secrets
 import socket
+import ssl
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
+from urllib.parse import urlsplit
 
 import jinja2
 from aiohttp import web
@@ -52,26 +84,64 @@ from rngcoord.server.auth import Identity, TokenTable
 from rngcoord.server.logs import event, get_logger
 from rngcoord.server.queries import audit_head
 from rngcoord.server.store import Store, Tx
-from rngcoord.server.views import GroupView, group_views
+from rngcoord.server.views import GroupView, group_state, group_views
 from rngcoord.v1.types import AuditRecord
 
-__all__ = ["COOKIE", "Source", "StatusServer", "StatusThread", "StoreSource"]
+__all__ = [
+    "COOKIE",
+    "MAX_SESSIONS",
+    "SESSION_ENV",
+    "SESSION_S",
+    "Source",
+    "StatusServer",
+    "StatusThread",
+    "StoreSource",
+    "TLSFiles",
+]
 
 T = TypeVar("T")
 _log = get_logger("status")
 
-COOKIE = "rngcoord_token"
-"""The cookie the login form sets."""
+COOKIE = "rngcoord_session"
+"""The session cookie's name over plain HTTP; under TLS it is `__Host-` + this."""
+
+SESSION_S = 12 * 3600.0
+"""How long a session lasts from sign-in, by default."""
+
+SESSION_ENV = "RNGCOORD_STATUS_SESSION_S"
+"""The environment variable that sets the session lifetime in seconds."""
+
+MAX_SESSIONS = 1024
+"""Most sessions one process keeps; signing in past it ends the oldest."""
 
 VIEW_ROLES = frozenset({"auditor", "admin"})
 """The roles that may see the page and /api."""
 
+_LOGIN_COOKIE = "rngcoord_login"
+_LOGIN_COOKIE_S = 3600
 _TEMPLATES = Path(__file__).resolve().parent / "templates"
+_STATIC = {
+    "status.js": "text/javascript",
+    "status.css": "text/css",
+}
 _AUDIT_TAIL = 50
 _MAX_AUDIT_TAIL = 500
 _MEMBER_LIMIT = 64
 _REFRESH_MS = 1000
+_IDLE_AFTER_S = 60.0
 _IDENTITY = "rngcoord.identity"
+_SESSION = "rngcoord.session"
+_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+_SECURITY_HEADERS = {
+    "Content-Security-Policy": _CSP,
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+}
+_STATE_ORDER = ("active", "idle", "finished")
 
 
 class Source(Protocol):
@@ -86,11 +156,47 @@ class Source(Protocol):
         ...
 
 
+class TLSFiles(Protocol):
+    """The server's certificate chain and key (`rngcoord.server.app.TLSConfig` is one)."""
+
+    @property
+    def cert(self) -> Path: ...
+
+    @property
+    def key(self) -> Path: ...
+
+
 class _Denied(Exception):
     def __init__(self, status: int, why: str) -> None:
         super().__init__(why)
         self.status = status
         self.why = why
+
+
+@dataclass(frozen=True, slots=True)
+class _Session:
+    who: Identity
+    expires: float
+    """time.monotonic() at which it ends."""
+    csrf: str
+    """The form token sign-out must carry."""
+
+
+def _session_s_from_env() -> float:
+    text = os.environ.get(SESSION_ENV, "")
+    if not text:
+        return SESSION_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"{SESSION_ENV} must be a number of seconds") from None
+    if not seconds > 0:
+        raise ValueError(f"{SESSION_ENV} must be more than 0 seconds")
+    return seconds
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8")).digest()
 
 
 class StatusServer:
@@ -104,8 +210,14 @@ class StatusServer:
         open_access: serve the page and /api without a token even when there is a token
             file (`--status-open`). Default False.
         refresh_ms: how often the page refreshes its parts. Default 1000.
+        tls: serve over TLS with this certificate and key. Default None: plain HTTP.
+        session_s: how long a session lasts from sign-in. Default: `RNGCOORD_STATUS_SESSION_S`
+            from the environment, else 12 h.
 
     `start(host, port)` binds and serves on the running loop; `stop()` closes.
+
+    Raises:
+        ValueError: `RNGCOORD_STATUS_SESSION_S` is not a positive number.
     """
 
     def __init__(
@@ -116,12 +228,24 @@ class StatusServer:
         *,
         open_access: bool = False,
         refresh_ms: int = _REFRESH_MS,
+        tls: TLSFiles | None = None,
+        session_s: float | None = None,
     ) -> None:
         self._source = source
         self._registry = registry
         self._tokens = tokens
         self._open_access = open_access
         self._refresh_ms = refresh_ms
+        self._tls = tls
+        self._session_s = session_s if session_s is not None else _session_s_from_env()
+        # Keyed by the SHA-256 of the cookie's id: what the table holds cannot be replayed.
+        self._sessions: dict[bytes, _Session] = {}
+        # Signs the sign-in form's token; a fresh key per process is enough, as a form
+        # outlives neither its process nor its pre-session cookie.
+        self._form_key = secrets.token_bytes(32)
+        prefix = "__Host-" if tls is not None else ""
+        self._cookie = prefix + COOKIE
+        self._login_cookie = prefix + _LOGIN_COOKIE
         self._env = jinja2.Environment(
             loader=jinja2.FileSystemLoader(_TEMPLATES),
             autoescape=True,
@@ -129,6 +253,11 @@ class StatusServer:
         )
         self._env.filters["utc"] = _utc
         self._env.filters["percent"] = _percent
+        self._env.filters["ago"] = _ago
+        self._static = {
+            name: (f"{kind}; charset=utf-8", (_TEMPLATES / "static" / name).read_bytes())
+            for name, kind in _STATIC.items()
+        }
         self._runner: web.AppRunner | None = None
         self.address = ""
 
@@ -137,13 +266,25 @@ class StatusServer:
         """Whether the page is served without a token."""
         return self._open_access or self._tokens is None
 
+    @property
+    def cookie_name(self) -> str:
+        """The session cookie's name."""
+        return self._cookie
+
     def reload(self, tokens: TokenTable) -> None:
-        """Check tokens against `tokens` from now on (the server's SIGHUP reload)."""
+        """Check tokens against `tokens` from now on (the server's SIGHUP reload), and end
+        every session: the server keeps no token, so it cannot tell which sessions the new
+        file still covers."""
         self._tokens = tokens
+        ended = len(self._sessions)
+        self._sessions.clear()
+        if ended:
+            event(_log, logging.INFO, "status_sessions_ended", sessions=ended, reason="reload")
 
     def app(self) -> web.Application:
         """The aiohttp application."""
         app = web.Application(middlewares=[self._guard])
+        app.on_response_prepare.append(self._security_headers)
         app.router.add_get("/", self._page)
         app.router.add_get("/partials/groups", self._groups_partial)
         app.router.add_get("/api/status", self._api_status)
@@ -152,15 +293,37 @@ class StatusServer:
         app.router.add_get("/login", self._login_form)
         app.router.add_post("/login", self._login)
         app.router.add_post("/logout", self._logout)
+        app.router.add_get("/static/{name}", self._static_file)
         return app
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS context the HTTP side serves with (None: plain HTTP).
+
+        Raises:
+            OSError: the certificate or key cannot be read.
+        """
+        if self._tls is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            context.load_cert_chain(self._tls.cert, self._tls.key)
+        except ssl.SSLError as exc:
+            # The reason, never the key file's text.
+            raise OSError(
+                f"cannot use {self._tls.cert} and {self._tls.key} for the HTTP side: "
+                f"{exc.reason or exc.__class__.__name__}"
+            ) from None
+        return context
 
     async def start(self, host: str, port: int) -> str:
         """Bind host:port (0 picks a port) and serve on the running loop; return the bound
         "HOST:PORT".
 
         Raises:
-            OSError: the address cannot be bound.
+            OSError: the address cannot be bound, or the TLS files cannot be read.
         """
+        context = self.ssl_context()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -172,7 +335,7 @@ class StatusServer:
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         await self._runner.setup()
         # Requests are short reads: a drain need not wait for them long.
-        await web.SockSite(self._runner, sock, shutdown_timeout=2.0).start()
+        await web.SockSite(self._runner, sock, shutdown_timeout=2.0, ssl_context=context).start()
         self.address = join_host_port(host, int(sock.getsockname()[1]))
         return self.address
 
@@ -184,35 +347,76 @@ class StatusServer:
 
     # --------------------------------------------------------------------- access
 
+    def _session(self, request: web.Request) -> tuple[bytes, _Session] | None:
+        """The live session `request`'s cookie names, or None (an expired one is ended)."""
+        sid = request.cookies.get(self._cookie, "")
+        if not sid:
+            return None
+        key = _digest(sid)
+        session = self._sessions.get(key)
+        if session is None:
+            return None
+        if time.monotonic() >= session.expires:
+            del self._sessions[key]
+            return None
+        return key, session
+
     def _identify(self, request: web.Request) -> Identity | None:
         """Who sent `request` (None on an open page).
 
         Raises:
-            _Denied: 401 without a valid token, 403 for a role that may not look.
+            _Denied: 401 without a valid token or session, 403 for a role that may not look.
         """
         if self.is_open:
             return None
         tokens = self._tokens
         assert tokens is not None
         header = request.headers.get("Authorization", "")
-        scheme, _, credential = header.partition(" ")
-        if header and scheme.lower() != "bearer":
-            raise _Denied(401, "the Authorization header must be 'Bearer TOKEN'")
-        token = credential.strip() if header else request.cookies.get(COOKIE, "")
-        if not token:
-            raise _Denied(401, "this page needs an auditor or admin token")
-        who = tokens.identify(token.encode("utf-8"))
-        if who is None:
-            raise _Denied(401, "the token is not in the server's token file")
+        if header:
+            scheme, _, credential = header.partition(" ")
+            if scheme.lower() != "bearer" or not credential.strip():
+                raise _Denied(401, "the Authorization header must be 'Bearer TOKEN'")
+            who = tokens.identify(credential.strip().encode("utf-8"))
+            if who is None:
+                raise _Denied(401, "the token is not in the server's token file")
+        else:
+            found = self._session(request)
+            if found is None:
+                raise _Denied(401, "this page needs an auditor or admin token")
+            request[_SESSION] = found[1]
+            who = found[1].who
         if who.role not in VIEW_ROLES:
             raise _Denied(403, f"{who.name!r} is a {who.role}: this page needs auditor or admin")
         return who
+
+    def _same_origin(self, request: web.Request) -> bool:
+        """Whether a form post comes from a page of this server. The Host header is the
+        browser's, so an attacker's page cannot make it match its own Origin."""
+        expected = f"{request.scheme}://{request.host}".lower()
+        origin = request.headers.get("Origin")
+        if origin is not None:
+            return origin.lower() == expected
+        referer = request.headers.get("Referer")
+        if not referer:
+            return False
+        parts = urlsplit(referer)
+        return f"{parts.scheme}://{parts.netloc}".lower() == expected
+
+    def _form_token(self, login_id: str) -> str:
+        return hmac.new(self._form_key, login_id.encode("utf-8"), hashlib.sha256).hexdigest()
+
+    async def _security_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers.update(_SECURITY_HEADERS)
+        if not request.path.startswith("/static/"):
+            # Pages, fragments and JSON describe live state and may be an auditor's view:
+            # neither the browser nor a proxy keeps them.
+            response.headers["Cache-Control"] = "no-store"
 
     @web.middleware
     async def _guard(
         self, request: web.Request, handler: Callable[[web.Request], Any]
     ) -> web.StreamResponse:
-        if request.path in ("/metrics", "/login", "/logout"):
+        if request.path in ("/metrics", "/login", "/logout") or request.path.startswith("/static/"):
             response: web.StreamResponse = await handler(request)
             return response
         try:
@@ -220,11 +424,8 @@ class StatusServer:
         except _Denied as denied:
             if request.path.startswith(("/api/", "/partials/")):
                 return web.json_response({"error": denied.why}, status=denied.status)
-            return self._render(
-                "login.html",
-                status=denied.status,
-                error=denied.why,
-                forbidden=denied.status == 403,
+            return self._login_page(
+                request, status=denied.status, error=denied.why, forbidden=denied.status == 403
             )
         try:
             response = await handler(request)
@@ -272,32 +473,47 @@ class StatusServer:
             "head_mac": mac,
         }
 
+    def _groups_context(self, groups: list[GroupView]) -> dict[str, Any]:
+        now_us = _now_us()
+        return {
+            "sections": _by_state(groups, now_us),
+            "has_groups": bool(groups),
+            "now": _utc(now_us),
+            "now_us": now_us,
+            **self._head(),
+        }
+
     async def _page(self, request: web.Request) -> web.StreamResponse:
         who = request[_IDENTITY]
         groups = await self._groups(who)
         records = await self._audit(who, 0, _AUDIT_TAIL)
+        session: _Session | None = request.get(_SESSION)
         return self._render(
             "page.html",
             who=who,
+            logout_token=session.csrf if session is not None else None,
             is_open=self.is_open,
-            jobs=_by_job(groups),
-            records=[_record_json(r) for r in records],
+            records=[_record_json(r) for r in reversed(records)],
             last_id=records[-1].id if records else 0,
             refresh_ms=self._refresh_ms,
-            now=_utc(_now_us()),
-            **self._head(),
+            **self._groups_context(groups),
         )
 
     async def _groups_partial(self, request: web.Request) -> web.StreamResponse:
         groups = await self._groups(request[_IDENTITY])
-        return self._render(
-            "groups.html", jobs=_by_job(groups), now=_utc(_now_us()), **self._head()
-        )
+        return self._render("groups.html", **self._groups_context(groups))
 
     async def _api_status(self, request: web.Request) -> web.StreamResponse:
         groups = await self._groups(request[_IDENTITY])
+        now_us = _now_us()
         return web.json_response(
-            {**self._head(), "groups": [g.to_json() for g in groups], "now_us": _now_us()}
+            {
+                **self._head(),
+                "groups": [
+                    {**g.to_json(), "state": group_state(g, now_us, _IDLE_AFTER_S)} for g in groups
+                ],
+                "now_us": now_us,
+            }
         )
 
     async def _api_audit(self, request: web.Request) -> web.StreamResponse:
@@ -323,14 +539,71 @@ class StatusServer:
         body = generate_latest(self._registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def _login_form(self, request: web.Request) -> web.StreamResponse:
-        return self._render("login.html", error="", forbidden=False)
+    async def _static_file(self, request: web.Request) -> web.StreamResponse:
+        found = self._static.get(request.match_info["name"])
+        if found is None:
+            raise web.HTTPNotFound()
+        content_type, body = found
+        # Revalidated on each load, so a new server's script is never mixed with an old page.
+        return web.Response(
+            body=body, headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
+        )
 
-    async def _login(self, request: web.Request) -> web.StreamResponse:
-        form = await request.post()
-        token = str(form.get("token", "")).strip()
+    async def _login_form(self, request: web.Request) -> web.StreamResponse:
         if self.is_open:
             raise web.HTTPSeeOther("/")
+        return self._login_page(request, status=200, error="", forbidden=False)
+
+    def _login_page(
+        self, request: web.Request, *, status: int, error: str, forbidden: bool
+    ) -> web.Response:
+        """The sign-in form, with its form token bound to a pre-session cookie (set here
+        unless the browser already holds one)."""
+        login_id = request.cookies.get(self._login_cookie, "")
+        fresh = len(login_id) < 32
+        if fresh:
+            login_id = secrets.token_urlsafe(32)
+        response = self._render(
+            "login.html",
+            status=status,
+            error=error,
+            forbidden=forbidden,
+            form_token=self._form_token(login_id),
+        )
+        if fresh:
+            self._set_cookie(response, self._login_cookie, login_id, _LOGIN_COOKIE_S)
+        return response
+
+    def _set_cookie(
+        self, response: web.StreamResponse, name: str, value: str, max_age: int
+    ) -> None:
+        response.set_cookie(
+            name,
+            value,
+            max_age=max_age,
+            path="/",
+            httponly=True,
+            samesite="Strict",
+            secure=self._tls is not None,
+        )
+
+    def _refuse_cross_site(self, request: web.Request, what: str, why: str) -> web.Response:
+        event(_log, logging.WARNING, "status_csrf_refused", peer=request.remote, form=what, why=why)
+        return web.Response(text=f"{what} refused: {why}", status=403)
+
+    async def _login(self, request: web.Request) -> web.StreamResponse:
+        if self.is_open:
+            raise web.HTTPSeeOther("/")
+        if not self._same_origin(request):
+            return self._refuse_cross_site(request, "sign-in", "it did not come from this site")
+        form = await request.post()
+        login_id = request.cookies.get(self._login_cookie, "")
+        sent = str(form.get("form_token", ""))
+        if not login_id or not hmac.compare_digest(sent, self._form_token(login_id)):
+            return self._refuse_cross_site(
+                request, "sign-in", "the form token is missing or wrong; load the form again"
+            )
+        token = str(form.get("token", "")).strip()
         assert self._tokens is not None
         who = self._tokens.identify(token.encode("utf-8")) if token else None
         if who is None or who.role not in VIEW_ROLES:
@@ -341,15 +614,43 @@ class StatusServer:
                 else f"{who.name!r} is a {who.role}: this page needs auditor or admin"
             )
             event(_log, logging.INFO, "status_login_refused", peer=request.remote, status=status)
-            return self._render("login.html", status=status, error=why, forbidden=status == 403)
+            return self._login_page(request, status=status, error=why, forbidden=status == 403)
+        sid = self._open_session(who)
         event(_log, logging.INFO, "status_login", identity=who.name, peer=request.remote)
         response = web.HTTPSeeOther("/")
-        response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/")
+        self._set_cookie(response, self._cookie, sid, int(self._session_s))
+        # The pre-session cookie has served: a new form gets a new one.
+        response.del_cookie(self._login_cookie, path="/")
         raise response
 
+    def _open_session(self, who: Identity) -> str:
+        now = time.monotonic()
+        for key in [k for k, s in self._sessions.items() if now >= s.expires]:
+            del self._sessions[key]
+        while len(self._sessions) >= MAX_SESSIONS:
+            # Dicts keep insertion order: the first is the oldest.
+            del self._sessions[next(iter(self._sessions))]
+        sid = secrets.token_urlsafe(32)
+        self._sessions[_digest(sid)] = _Session(
+            who, now + self._session_s, secrets.token_urlsafe(32)
+        )
+        return sid
+
     async def _logout(self, request: web.Request) -> web.StreamResponse:
+        if not self._same_origin(request):
+            return self._refuse_cross_site(request, "sign-out", "it did not come from this site")
+        found = self._session(request)
+        if found is not None:
+            key, session = found
+            form = await request.post()
+            if not hmac.compare_digest(str(form.get("form_token", "")), session.csrf):
+                return self._refuse_cross_site(
+                    request, "sign-out", "the form token is missing or wrong"
+                )
+            del self._sessions[key]
+            event(_log, logging.INFO, "status_logout", identity=session.who.name)
         response = web.HTTPSeeOther("/login")
-        response.del_cookie(COOKIE, path="/")
+        response.del_cookie(self._cookie, path="/")
         raise response
 
     def _render(self, name: str, *, status: int = 200, **context: Any) -> web.Response:
@@ -357,14 +658,62 @@ class StatusServer:
         return web.Response(text=html, status=status, content_type="text/html")
 
 
-def _by_job(groups: list[GroupView]) -> list[tuple[str, list[GroupView]]]:
-    jobs: dict[str, list[GroupView]] = {}
+def _by_state(
+    groups: list[GroupView], now_us: int
+) -> list[tuple[str, list[tuple[str, str, int, list[tuple[GroupView, str]]]]]]:
+    """The jobs under each state (active, idle, finished), newest activity first: (state,
+    [(job, job state, last activity µs, [(group, group state)])]). A job is as awake as its
+    most awake group."""
+    jobs: dict[str, list[tuple[GroupView, str]]] = {}
     for g in groups:
-        jobs.setdefault(g.job, []).append(g)
-    return list(jobs.items())
+        jobs.setdefault(g.job, []).append((g, group_state(g, now_us, _IDLE_AFTER_S)))
+    sections: dict[str, list[tuple[str, str, int, list[tuple[GroupView, str]]]]] = {
+        state: [] for state in _STATE_ORDER
+    }
+    for job, members in jobs.items():
+        state = min((s for _, s in members), key=_STATE_ORDER.index)
+        last = max(g.last_activity_us for g, _ in members)
+        members.sort(key=lambda m: (_STATE_ORDER.index(m[1]), -m[0].last_activity_us))
+        sections[state].append((job, state, last, members))
+    for listed in sections.values():
+        listed.sort(key=lambda j: (-j[2], j[0]))
+    return [(state, sections[state]) for state in _STATE_ORDER]
+
+
+# Shown in their own columns (epoch, range) or only on hover (long hex and seeds).
+_COLUMNS = frozenset({"epoch", "start", "end", "cursor", "floor"})
+_HOVER_ONLY = ("seed", "fingerprint", "digest", "hash", "key_id")
+
+
+def _offset_range(detail: dict[str, Any]) -> str:
+    start, end = detail.get("start"), detail.get("end")
+    if isinstance(start, int) and isinstance(end, int):
+        return f"{start:,}\u2013{end:,}"
+    if isinstance(detail.get("cursor"), int):
+        return f"→ {detail['cursor']:,}"
+    if isinstance(start, int):
+        return f"from {start:,}"
+    if isinstance(detail.get("floor"), int):
+        return f"floor {detail['floor']:,}"
+    return ""
+
+
+def _summary(detail: dict[str, Any]) -> str:
+    parts = []
+    for key, value in sorted(detail.items()):
+        if key in _COLUMNS or any(word in key for word in _HOVER_ONLY):
+            continue
+        if isinstance(value, list):
+            value = ",".join(map(str, value[:8])) + ("…" if len(value) > 8 else "")
+        parts.append(f"{key.replace('_', ' ')} {value}")
+    return ", ".join(parts)
 
 
 def _record_json(r: AuditRecord) -> dict[str, Any]:
+    detail = r.detail
+    epoch = detail.get("epoch")
+    hover = [f"record {r.id}", f"hash {r.hash}", f"prev {r.prev_hash}"]
+    hover += [f"{k} {v}" for k, v in sorted(detail.items())]
     return {
         "id": r.id,
         "time": _utc(r.ts_us),
@@ -372,7 +721,11 @@ def _record_json(r: AuditRecord) -> dict[str, Any]:
         "group": r.group,
         "kind": r.kind,
         "actor": r.actor,
-        "detail": " ".join(f"{k}={v}" for k, v in sorted(r.detail.items())),
+        "epoch": epoch if isinstance(epoch, int) else None,
+        "range": _offset_range(detail),
+        "summary": _summary(detail),
+        "title": "\n".join(hover),
+        "detail": " ".join(f"{k}={v}" for k, v in sorted(detail.items())),
     }
 
 
@@ -384,6 +737,16 @@ def _utc(ts_us: int | None) -> str:
     if not ts_us:
         return "-"
     return datetime.fromtimestamp(ts_us / 1e6, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def _ago(seconds: float) -> str:
+    """'4 s ago', '12 min ago', '3 h ago', '2 d ago'."""
+    if seconds < 1:
+        return "just now"
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)} {unit} ago"
+    return f"{int(seconds)} s ago"
 
 
 def _percent(share: float) -> str:

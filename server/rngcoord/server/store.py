@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from importlib import resources
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 __all__ = [
     "BIAS",
@@ -48,6 +48,14 @@ class StoreNotFound(RuntimeError):
     """
 
 
+class StoreRolledBack(StoreNotFound):
+    """The store is not the one this server last served: its audit chain lacks the head an
+    anchor recorded (an older copy swapped in, its tail cut, its tables emptied), another
+    store's anchors are the newest, or its keying was stripped (docs/design.md §11.1). Serving
+    it could grant offsets again; the error names the anchored record and where the chain
+    ends."""
+
+
 class StoreLost(RuntimeError):
     """The store a server opened is gone or was replaced under it (its file unlinked or
     swapped, its schema dropped, another store's id in its place)."""
@@ -70,6 +78,12 @@ class Tx(Protocol):
         """Run a statement whose rows (if any) are not needed; return the rows it changed."""
         ...
 
+    def write(self, sql: str, params: Sequence[object] = ()) -> None:
+        """Run a statement whose outcome nobody reads before the commit. A backend may send
+        it without waiting (PostgreSQL's pipeline mode), so an error it raises may surface
+        at a later statement of the transaction, or at the commit, which then fails."""
+        ...
+
     def executemany(self, sql: str, params: Sequence[Sequence[object]]) -> None:
         """Run one statement once per parameter row (one round trip where the driver can)."""
         ...
@@ -81,6 +95,19 @@ class Tx(Protocol):
     def fetchall(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
         """Run a query and return all of its rows."""
         ...
+
+
+class WriteProblem(NamedTuple):
+    """Why a store's writes are not completing.
+
+    Attributes:
+        reason: what is wrong, for health and logs.
+        fatal: True when the store cannot write again in this process (its writer thread
+            died): the server exits so that its supervisor or container runtime restarts it.
+    """
+
+    reason: str
+    fatal: bool
 
 
 class Store(Protocol):
@@ -122,6 +149,11 @@ class Store(Protocol):
     def submit(self, fn: Callable[[Tx], T]) -> Future[T]:
         """`write` without waiting: the future completes as `write` would return or raise. The
         coordinator's event loop awaits it, so no thread waits on a commit."""
+        ...
+
+    def write_problem(self, stall_s: float) -> WriteProblem | None:
+        """Why writes are not completing, or None: the writer thread died (fatal), or a batch
+        has run for `stall_s` seconds or more (the server then reports NOT_SERVING)."""
         ...
 
     def close(self) -> None:
@@ -217,7 +249,7 @@ def read_store_id(tx: Tx) -> str:
     return str(row[0])
 
 
-def apply_migrations(tx: Tx, folder: str) -> int:
+def apply_migrations(tx: Tx, folder: str, *, create: bool, location: str) -> int:
     """Apply the migrations of `folder` that `schema_version` lacks; return the version.
 
     Runs inside the caller's write transaction, so a failed migration leaves no trace and
@@ -226,8 +258,12 @@ def apply_migrations(tx: Tx, folder: str) -> int:
     Args:
         tx: an open write transaction.
         folder: the dialect's folder under server/migrations ("sqlite" or "postgres").
+        create: whether a database without any migration may get the whole schema (`--init`).
+        location: where the store is, for messages.
 
     Raises:
+        StoreNotFound: no migration was ever applied (an empty `schema_version`, as a store
+            whose tables were dropped may leave), and `create` is False.
         RuntimeError: the database was migrated by a newer rngcoord, or the files are
             misnumbered.
     """
@@ -238,6 +274,13 @@ def apply_migrations(tx: Tx, folder: str) -> int:
     row = tx.fetchone("SELECT MAX(version) FROM schema_version")
     current = 0 if row is None or row[0] is None else int(row[0])
     files = _migration_files(folder)
+    if current == 0 and not create:
+        raise StoreNotFound(
+            f"the database at {location} has rngcoord's schema_version table but no schema in "
+            "it (its tables were dropped?): a fresh schema would start every stream again at "
+            "offset 0. Restore the store from a backup, or create a new one on purpose with "
+            "`rngcoord serve --init --floor-from AUDIT_EXPORT`"
+        )
     if current > len(files):
         raise RuntimeError(
             f"the database has schema version {current} but this rngcoord knows only up to "

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import hmac
-import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from rngcoord.server.seeds import group_seed
 from rngcoord.server.store import Store, Tx, from_db
 from rngcoord.v1.types import AuditRecord, members_digest
 
-__all__ = ["VerifyReport", "read_anchors", "verify"]
+__all__ = ["VerifyReport", "verify"]
 
 _PAGE = 1000
 
@@ -169,37 +168,6 @@ def _grant(record: AuditRecord) -> _Grant:
     )
 
 
-def read_anchors(lines: Iterable[str], source: str) -> list[dict[str, Any]]:
-    """Anchors from JSON lines ({"store_id", "id", "hash", "mac"}: a server's anchor file or
-    log), or from heads as the `rngcoord-audit-head` trailer writes them
-    ("STORE_ID:RECORD_ID:HASH:MAC", as clients keep them in checkpoints). Other lines are
-    skipped; each anchor carries `source` ("FILE:LINE") for messages."""
-    found: list[dict[str, Any]] = []
-    for number, line in enumerate(lines, start=1):
-        parts = line.strip().split(":")
-        if len(parts) == 4 and parts[1].isdigit():
-            store_id, record_id, record_hash, mac = parts
-            found.append(
-                {
-                    "store_id": store_id,
-                    "id": int(record_id),
-                    "hash": record_hash,
-                    "mac": mac,
-                    "source": f"{source}:{number}",
-                }
-            )
-            continue
-        try:
-            data = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(data, dict) and "fields" in data and isinstance(data["fields"], dict):
-            data = data["fields"]  # a server log line (event audit_anchor)
-        if isinstance(data, dict) and {"store_id", "id", "hash", "mac"} <= data.keys():
-            found.append({**data, "source": f"{source}:{number}"})
-    return found
-
-
 def verify(
     store: Store,
     *,
@@ -216,19 +184,29 @@ def verify(
         store: the store to check; it is only read.
         key: the audit key. Default None: a keyed chain's MACs are not checked (a note says
             so), and neither are anchors' signatures.
-        anchors: anchors to check the chain against (see `read_anchors`). Default none.
+        anchors: anchors to check the chain against (see `anchors.read_anchors`). Default
+            none.
         progress: called after each page of records with (records checked, records in all),
             for long chains. Default None.
     """
     snap = store.read(_snapshot)
     problems: list[str] = []
     notes: list[str] = []
-    keyed_from = int(snap.meta.get("keyed_from", "0"))
+    keyed_from = (
+        int(snap.meta.get("keyed_from", "0")) if snap.meta.get("keyed_from", "0").isdigit() else -1
+    )
     key_id = snap.meta.get("audit_key_id", "")
     store_id = snap.meta.get("store_id", "")
     if key is not None and key_id and audit.key_id(key) != key_id:
         problems.append(
             f"the key given (key id {audit.key_id(key)}) is not the store's (key id {key_id})"
+        )
+        key = None
+    if key is not None and not key_id:
+        problems.append(
+            "an audit key was given, but the chain is not keyed (meta names no key): its "
+            "keying was stripped and its records rehashed without the key, or it was never "
+            "keyed"
         )
         key = None
     if key_id and key is None:
@@ -237,6 +215,10 @@ def verify(
             "anchors' signatures were not checked (pass --audit-key)"
         )
     chain = audit.Chain(store_id, key, keyed_from if key is not None else 0)
+    if key is not None:
+        keying = store.read(lambda tx: audit.keying_problem(tx, chain))
+        if keying is not None:
+            problems.append(keying)
 
     grants: list[_Grant] = []
     # (job, group) -> [(record id, epoch, seq)] of restore records, in chain order.

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from rngcoord.server import divergences
 from rngcoord.server.store import Tx, from_db
 from rngcoord.v1.rules import MAX_OFFSET
 
@@ -24,6 +25,7 @@ __all__ = [
     "JobReport",
     "LeasePoint",
     "MemberView",
+    "group_state",
     "group_views",
     "job_names",
     "job_report",
@@ -69,6 +71,7 @@ class GroupView:
         divergence: the current epoch's divergence message, or None.
         diverged_ranks: the ranks that disagreed (empty without a divergence).
         members: the first ranks of the current epoch (see `group_views`' `member_limit`).
+        last_grant_us: when the current epoch's latest lease was granted (Unix µs), or 0.
     """
 
     job: str
@@ -86,6 +89,23 @@ class GroupView:
     divergence: str | None
     diverged_ranks: tuple[int, ...]
     members: tuple[MemberView, ...] = ()
+    last_grant_us: int = 0
+
+    @property
+    def finished(self) -> bool:
+        """Whether every member of the current epoch has left (a job that ended cleanly)."""
+        return self.world_size > 0 and self.left >= self.world_size
+
+    @property
+    def last_activity_us(self) -> int:
+        """The latest of: the current epoch forming, its latest grant, a listed member
+        joining or leaving (Unix µs; 0 before anything happened)."""
+        times = [self.epoch_created_us, self.last_grant_us]
+        for m in self.members:
+            times.append(m.joined_us)
+            if m.left_us is not None:
+                times.append(m.left_us)
+        return max(times)
 
     @property
     def used_share(self) -> float:
@@ -110,6 +130,8 @@ class GroupView:
             "waiting": self.waiting,
             "divergence": self.divergence,
             "diverged_ranks": list(self.diverged_ranks),
+            "last_activity_us": self.last_activity_us,
+            "finished": self.finished,
             "members": [
                 {
                     "rank": m.rank,
@@ -125,6 +147,7 @@ class GroupView:
 
 # Each group's lease counts are primary-key probes: MAX(seq) of one (job, grp, epoch) prefix
 # reads one B-tree entry, so the list costs O(groups x epochs x log(leases)), not O(leases).
+# The latest grant's time is read the same way, from the row of the highest seq.
 _GROUPS = (
     "SELECT g.job, g.grp, g.epoch, g.high_water, g.barrier_count, "
     "e.world_size, e.start, e.created_us, e.diverged, e.left_count, "
@@ -133,7 +156,10 @@ _GROUPS = (
     "(SELECT SUM((SELECT MAX(l2.seq) + 1 FROM leases l2 "
     "  WHERE l2.job = e2.job AND l2.grp = e2.grp AND l2.epoch = e2.epoch)) "
     " FROM epochs e2 WHERE e2.job = g.job AND e2.grp = g.grp), "
-    "(SELECT COUNT(*) FROM restores r WHERE r.job = g.job AND r.grp = g.grp) "
+    "(SELECT COUNT(*) FROM restores r WHERE r.job = g.job AND r.grp = g.grp), "
+    "(SELECT l3.created_us FROM leases l3 "
+    " WHERE l3.job = g.job AND l3.grp = g.grp AND l3.epoch = g.epoch "
+    " ORDER BY l3.seq DESC LIMIT 1) "
     "FROM groups g "
     "LEFT JOIN epochs e ON e.job = g.job AND e.grp = g.grp AND e.epoch = g.epoch "
     "ORDER BY g.job, g.grp"
@@ -145,21 +171,6 @@ _MEMBERS = (
     "ON m.job = g.job AND m.grp = g.grp AND m.epoch = g.epoch "
     "WHERE m.rank < ? ORDER BY m.job, m.grp, m.rank"
 )
-
-
-def _divergence(stored: str | None) -> tuple[str | None, tuple[int, ...]]:
-    """The message and ranks of an epoch's `diverged` column (JSON, or plain text from
-    stores written before it named the ranks)."""
-    if stored is None:
-        return None, ()
-    try:
-        parsed = json.loads(stored)
-    except ValueError:
-        return stored, ()
-    if not isinstance(parsed, dict):
-        return stored, ()
-    ranks = tuple(int(r) for r in parsed.get("ranks", ()))
-    return str(parsed.get("message", stored)), ranks
 
 
 def group_views(tx: Tx, *, member_limit: int = 64) -> list[GroupView]:
@@ -186,8 +197,8 @@ def group_views(tx: Tx, *, member_limit: int = 64) -> list[GroupView]:
     views = []
     for row in tx.fetchall(_GROUPS):
         (job, group, epoch, high_water, waiting, world_size, start, created_us, diverged) = row[:9]
-        left, max_seq, total, restores = row[9:]
-        message, ranks = _divergence(diverged)
+        left, max_seq, total, restores, last_grant_us = row[9:]
+        message, ranks = divergences.summary(diverged)
         views.append(
             GroupView(
                 job=job,
@@ -205,9 +216,22 @@ def group_views(tx: Tx, *, member_limit: int = 64) -> list[GroupView]:
                 divergence=message,
                 diverged_ranks=ranks,
                 members=tuple(members.get((job, group), ())),
+                last_grant_us=0 if last_grant_us is None else int(last_grant_us),
             )
         )
     return views
+
+
+def group_state(g: GroupView, now_us: int, idle_after_s: float) -> str:
+    """ "finished" when every member of the current epoch has left; else "active" when ranks
+    wait to join or something happened within `idle_after_s` of `now_us` (an epoch formed,
+    a lease was granted, a member joined or left); else "idle" (a job that stopped without
+    its ranks leaving, or one between runs)."""
+    if g.finished:
+        return "finished"
+    if g.waiting or now_us - g.last_activity_us < idle_after_s * 1_000_000:
+        return "active"
+    return "idle"
 
 
 def job_names(tx: Tx) -> list[str]:
@@ -310,7 +334,7 @@ def job_report(tx: Tx, job: str, store_id: str) -> JobReport | None:
         "WHERE job = ? ORDER BY grp, epoch",
         (job,),
     ):
-        message, ranks = _divergence(diverged)
+        message, ranks = divergences.summary(diverged)
         groups[grp].epochs.append(
             EpochView(int(epoch), int(world_size), from_db(start), int(created_us), message, ranks)
         )
@@ -333,8 +357,7 @@ def job_report(tx: Tx, job: str, store_id: str) -> JobReport | None:
         (job,),
     ):
         d = json.loads(detail)
-        ranks = tuple(sorted({int(d["rank"]), int(d.get("granted_rank") or 0)}))
-        groups[grp].divergences.append((int(ts_us), int(d["epoch"]), ranks))
+        groups[grp].divergences.append((int(ts_us), int(d["epoch"]), divergences.record_ranks(d)))
     head = tx.fetchone("SELECT last_id, last_hash FROM audit_head WHERE id = 1")
     assert head is not None
     return JobReport(job, store_id, (int(head[0]), str(head[1])), list(groups.values()))

@@ -1,0 +1,17 @@
+-- rngcoord schema, version 7 (SQLite): resumes that could not rewind.
+-- Same meaning as migrations/postgres/007_resizes.sql.
+--
+-- One row per (job, group, epoch, saved group): a checkpoint saved in saved_grp, which the
+-- epoch's mesh never joins (a job resumed on another mesh under the offsets policy), so grp
+-- continued from its own position and not from saved_cursor. The row makes RecordResize
+-- idempotent; the audit record of kind 'resize' written with it is what auditors read.
+-- saved_cursor is a uint64 stored biased, as in 001_initial.sql.
+CREATE TABLE resizes (
+    job TEXT NOT NULL,
+    grp TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    saved_grp TEXT NOT NULL,
+    saved_cursor INTEGER NOT NULL,
+    created_us INTEGER NOT NULL,
+    PRIMARY KEY (job, grp, epoch, saved_grp)
+) WITHOUT ROWID;
