@@ -614,6 +614,19 @@ def chromium(width: int = 1280, height: int = 1000, *, insecure_certs: bool = Fa
     return webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
 
 
+def _await_element(driver: Any, element_id: str, timeout_s: float = 20.0) -> None:
+    """Wait for the page that a click started to show `element_id`. A click that submits a
+    form returns before the next page loads (CI once looked for sign-in on the page it was
+    leaving), so a plain find_element after it races the navigation."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(driver, timeout_s).until(
+        expected_conditions.presence_of_element_located((By.ID, element_id))
+    )
+
+
 def _group_state(driver: Any, job: str) -> dict[str, Any] | None:
     """What the page in `driver` shows of `job`'s group (the first), or None."""
     state: dict[str, Any] | None = driver.execute_script(
@@ -730,7 +743,7 @@ def test_browser_signs_in_over_tls_and_filters_jobs_under_the_csp(
         driver.get(f"https://{address}/")
         driver.find_element(By.ID, "token").send_keys("audtok")
         driver.find_element(By.ID, "sign-in").click()
-        assert driver.find_element(By.ID, "sign-out")
+        _await_element(driver, "sign-out")
         cookies = {c["name"]: c for c in driver.get_cookies()}
         session = cookies["__Host-rngcoord_session"]
         assert session["secure"] and session["httpOnly"] and session["sameSite"] == "Strict"
@@ -791,7 +804,7 @@ def test_browser_signs_in_over_tls_and_filters_jobs_under_the_csp(
         ]
         assert problems == []
         driver.find_element(By.ID, "sign-out").click()
-        assert driver.find_element(By.ID, "sign-in")
+        _await_element(driver, "sign-in")
         driver.get(f"https://{address}/")
         assert driver.find_element(By.ID, "sign-in")
     finally:
