@@ -40,7 +40,7 @@ from rngcoord.server import audit
 from rngcoord.server.coordinator import Coordinator
 from rngcoord.server.membership import Caller
 from rngcoord.server.sqlite import SqliteStore
-from rngcoord.server.store import Tx, WriteProblem
+from rngcoord.server.store import ReadAhead, Tx, WriteProblem
 from rngcoord.v1 import coordinator_pb2, coordinator_pb2_grpc
 from rngcoord.v1.types import AuditRecord, JoinResult, Lease
 
@@ -480,9 +480,9 @@ class CountingStore:
         self.writes += 1
         return self.inner.write(fn)
 
-    def submit(self, fn: Callable[[Tx], T]) -> Future[T]:
+    def submit(self, fn: Callable[[Tx], T], ahead: ReadAhead | None = None) -> Future[T]:
         self.writes += 1
-        return self.inner.submit(fn)
+        return self.inner.submit(fn, ahead)
 
     def data_version(self) -> int:
         return self.inner.data_version()

@@ -21,10 +21,11 @@ import psycopg
 import pytest
 
 from harness import DEFAULT_POSTGRES, POSTGRES_ENV, LoopThread, caller, gather_list, secret_for
+from rngcoord.server.audit import Chain
 from rngcoord.server.coordinator import Coordinator
-from rngcoord.server.errors import StaleEpoch, Unavailable
+from rngcoord.server.errors import Divergence, InvalidArgument, StaleEpoch, Unavailable
 from rngcoord.server.postgres import PostgresStore, convert_placeholders
-from rngcoord.server.store import Tx
+from rngcoord.server.store import ReadAhead, Tx
 from rngcoord.server.verify import verify
 from rngcoord.v1.types import JoinResult, Lease
 
@@ -376,13 +377,13 @@ def _add_job(name: str) -> Callable[[Tx], str]:
     return op
 
 
-def test_an_error_in_a_pipelined_batch_fails_only_its_own_operation(
+def test_an_error_of_a_held_back_write_fails_only_its_own_operation(
     open_stores: Callable[..., PostgresStore],
 ) -> None:
-    """Writes go out pipelined, so a bad write's error surfaces at a later operation's read,
-    or at the sync before COMMIT. The batch then runs again unpipelined: the operation that
-    wrote it gets its error, and the others of the batch commit. max_attempts=1: the rerun
-    is not an attempt."""
+    """Writes are held back and sent together, so a bad write's error surfaces at a later
+    operation's read, or before COMMIT. The batch then runs again sending each write as it
+    comes: the operation that wrote it gets its error, and the others of the batch commit.
+    max_attempts=1: the rerun is not an attempt."""
     store = open_stores(max_attempts=1)
     held = threading.Event()
 
@@ -416,8 +417,167 @@ def test_an_error_in_a_pipelined_batch_fails_only_its_own_operation(
         futures[1].result(10)
     jobs = store.read(lambda tx: tx.fetchall("SELECT job FROM jobs ORDER BY job"))
     assert jobs == [("a",), ("b",)]
-    # And the next batch is pipelined again, and commits.
+    # And the next batch holds its writes back again, and commits.
     assert store.write(good("c")) == 1
+
+
+def _count_jobs(tx: Tx) -> int:
+    row = tx.fetchone(_COUNT_JOBS)
+    assert row is not None
+    return int(row[0])
+
+
+_COUNT_JOBS = "SELECT COUNT(*) FROM jobs"
+
+
+def _batch_of_reads_ahead(store: PostgresStore, *, break_batch: bool) -> list[Any]:
+    """One batch (the writer is held while it queues): operations that count the jobs and add
+    one. Their read-aheads claim keys that do not match what they write, on purpose, so that a
+    count from the read-ahead (taken before the batch ran) differs from a live one."""
+    held = threading.Event()
+
+    def hold(tx: Tx) -> None:
+        held.set()
+        time.sleep(0.3)
+
+    def count_and_add(name: str, again: bool = False) -> Callable[[Tx], Any]:
+        def op(tx: Tx) -> Any:
+            first = _count_jobs(tx)
+            tx.write(
+                "INSERT INTO jobs (job, seed, created_us) VALUES (?, 0, 0)",
+                (f"{name}-{break_batch}",),
+            )
+            return (first, _count_jobs(tx)) if again else first
+
+        return op
+
+    def bad(tx: Tx) -> None:
+        tx.write("INSERT INTO meta (name, value) VALUES ('store_id', 'another')")
+
+    def ahead(key: str) -> ReadAhead:
+        return ReadAhead((JOB, key), _COUNT_JOBS, ())
+
+    first = store.submit(hold)
+    assert held.wait(5)
+    ops: list[tuple[Callable[[Tx], Any], ReadAhead | None]] = [
+        (count_and_add("x1"), ahead("x")),
+        (count_and_add("y1", again=True), ahead("y")),  # primed once, then live
+        (count_and_add("x2"), ahead("x")),  # x was written: live
+        (count_and_add("z1"), None),  # no read-ahead: it could write anything
+        (count_and_add("w1"), ahead("w")),  # so everything after it reads live
+    ]
+    if break_batch:
+        ops.insert(1, (bad, None))
+    futures = [store.submit(fn, read) for fn, read in ops]
+    first.result(10)
+    return [f.exception(10) or f.result(10) for f in futures]
+
+
+def test_reads_ahead_answer_a_batch_until_their_key_is_written(
+    open_stores: Callable[..., PostgresStore],
+) -> None:
+    """The writer sends a batch's read-aheads in one round trip, and answers each operation's
+    first read from them only while no earlier operation of the batch wrote its key or went
+    without a read-ahead. After an error of a held-back write the batch reruns, reading live."""
+    store = open_stores()
+    assert _batch_of_reads_ahead(store, break_batch=False) == [0, (0, 2), 2, 3, 4]
+    results = _batch_of_reads_ahead(store, break_batch=True)
+    assert isinstance(results[1], psycopg.errors.UniqueViolation)
+    assert results[:1] + results[2:] == [5, (6, 7), 7, 8, 9]
+    assert _count_jobs_now(store) == 10
+
+
+def _count_jobs_now(store: PostgresStore) -> int:
+    return store.read(_count_jobs)
+
+
+def test_a_rolled_back_operation_leaves_the_chain_head_where_it_was(
+    open_stores: Callable[..., PostgresStore],
+) -> None:
+    """A batch's appends chain on the head its lock read; an operation whose savepoint rolls
+    back takes its record back with it, so the next one chains on the record before."""
+    store = open_stores()
+    chain = Chain(store.store_id)
+    held = threading.Event()
+
+    def hold(tx: Tx) -> None:
+        held.set()
+        time.sleep(0.3)
+
+    def append(kind: str, fail: bool = False) -> Callable[[Tx], tuple[int, str]]:
+        def op(tx: Tx) -> tuple[int, str]:
+            head = chain.append(tx, ts_us=1, job=JOB, group="g", kind=kind, actor="t", detail={})
+            if fail:
+                raise InvalidArgument("rolled back")
+            return head
+
+        return op
+
+    first = store.submit(hold)
+    assert held.wait(5)
+    futures = [store.submit(append("a")), store.submit(append("b", fail=True)),
+               store.submit(append("c"))]  # fmt: skip
+    first.result(10)
+    a, c = futures[0].result(10), futures[2].result(10)
+    with pytest.raises(InvalidArgument):
+        futures[1].result(10)
+    assert c[0] == a[0] + 1
+    report = verify(store)
+    assert report.ok, report.problems
+    assert report.records == c[0]
+
+
+@pytest.mark.parametrize("rerun", [False, True], ids=["held-back", "rerun-as-they-come"])
+def test_each_operation_keeps_or_loses_its_own_writes(
+    open_stores: Callable[..., PostgresStore], rerun: bool
+) -> None:
+    """Writes held back are taken back by dropping them, or, once an operation has sent them
+    (it read after writing), by the savepoint that sending opened; an error with keep_writes
+    keeps them. The same batch, rerun after a held write failed, ends the same way."""
+    store = open_stores(max_attempts=1)
+    held = threading.Event()
+
+    def hold(tx: Tx) -> None:
+        held.set()
+        time.sleep(0.3)
+
+    def op(name: str, *, read: bool, error: type[Exception] | None) -> Callable[[Tx], str]:
+        def run(tx: Tx) -> str:
+            tx.write("INSERT INTO jobs (job, seed, created_us) VALUES (?, 0, 0)", (name,))
+            if read:
+                assert tx.fetchone("SELECT 1 FROM jobs WHERE job = ?", (name,)) == (1,)
+            if error is Divergence:
+                raise Divergence("kept")
+            if error is not None:
+                raise error("taken back")
+            return name
+
+        return run
+
+    def bad(tx: Tx) -> None:
+        tx.write("INSERT INTO meta (name, value) VALUES ('store_id', 'another')")
+
+    first = store.submit(hold)
+    assert held.wait(5)
+    futures = [
+        store.submit(op("dropped", read=False, error=InvalidArgument)),
+        store.submit(op("sent-then-rolled-back", read=True, error=InvalidArgument)),
+        store.submit(op("other-error", read=True, error=ValueError)),
+        store.submit(op("read", read=True, error=None)),
+        store.submit(op("kept", read=False, error=Divergence)),
+        store.submit(op("kept-after-read", read=True, error=Divergence)),
+        store.submit(op("plain", read=False, error=None)),
+    ]
+    if rerun:
+        futures.append(store.submit(bad))
+    first.result(10)
+    outcomes = [type(f.exception(10)).__name__ if f.exception(10) else "ok" for f in futures]
+    assert outcomes[:7] == ["InvalidArgument", "InvalidArgument", "ValueError", "ok",
+                            "Divergence", "Divergence", "ok"]  # fmt: skip
+    if rerun:
+        assert outcomes[7] == "UniqueViolation"
+    jobs = store.read(lambda tx: tx.fetchall("SELECT job FROM jobs ORDER BY job"))
+    assert [job for (job,) in jobs] == ["kept", "kept-after-read", "plain", "read"]
 
 
 def test_serialization_failure_is_retried(

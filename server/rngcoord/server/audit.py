@@ -188,18 +188,15 @@ class Chain:
         kind: str,
         actor: str,
         detail: dict[str, Any],
-        head: tuple[int, str] | None = None,
     ) -> tuple[int, str]:
         """Append a record inside the caller's write transaction; return its (id, hash), the
-        chain's new head.
+        chain's new head, which `tx.head` then holds (so the next append reads nothing).
 
         Args:
             tx: the open write transaction.
             ts_us, job, group, kind, actor, detail: the record's fields (see `AuditRecord`).
-            head: `audit_head`'s (last_id, last_hash) as the caller read it in this
-                transaction after its last append, which saves a query (the grant path reads
-                it in the same join as the group's state); None reads it here. Default None.
         """
+        head = tx.head
         if head is None:
             row = tx.fetchone("SELECT last_id, last_hash FROM audit_head WHERE id = 1")
             if row is None:
@@ -216,6 +213,7 @@ class Chain:
         tx.write(
             "UPDATE audit_head SET last_id = ?, last_hash = ? WHERE id = 1", (record_id, digest)
         )
+        tx.head = (record_id, digest)
         return record_id, digest
 
 

@@ -8,14 +8,23 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from rngcoord.server.audit import Chain
 from rngcoord.server.cache import Cache
 from rngcoord.server.clock import Clock
-from rngcoord.server.store import Tx
+from rngcoord.server.store import ReadAhead, Tx
 
-__all__ = ["Context", "Handler"]
+__all__ = ["Context", "Handler", "Write"]
+
+T = TypeVar("T")
+
+
+class Write(Protocol):
+    """Runs a write operation in the group-commit writer from the event loop; `ahead` is the
+    query the operation reads first (`store.ReadAhead`), or None."""
+
+    def __call__(self, fn: Callable[[Tx], T], ahead: ReadAhead | None = None) -> Awaitable[T]: ...
 
 
 @dataclass(frozen=True)
@@ -35,7 +44,7 @@ class Context:
 
     read: Callable[[Callable[[Tx], Any]], Awaitable[Any]]
     read_row: Callable[[str, Sequence[object]], Awaitable[tuple[Any, ...] | None]]
-    write: Callable[[Callable[[Tx], Any]], Awaitable[Any]]
+    write: Write
     cache: Cache
     fresh: Callable[[], bool]
     chain: Chain

@@ -47,7 +47,7 @@ from rngcoord.server.membership import (
 )
 from rngcoord.server.resizes import Resizes
 from rngcoord.server.restores import Restores
-from rngcoord.server.store import Store, StoreLost, Tx, row_reader
+from rngcoord.server.store import ReadAhead, Store, StoreLost, Tx, row_reader
 from rngcoord.v1.rules import (
     check_member_id,
     check_member_secret,
@@ -266,9 +266,9 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._readers, self._row_reader, sql, params)
 
-    async def _write(self, fn: Callable[[Tx], T]) -> T:
+    async def _write(self, fn: Callable[[Tx], T], ahead: ReadAhead | None = None) -> T:
         try:
-            result = await asyncio.wrap_future(self._store.submit(fn))
+            result = await asyncio.wrap_future(self._store.submit(fn, ahead))
         except Unavailable as exc:
             self._write_failure = exc.message
             if isinstance(exc.__cause__, StoreLost):

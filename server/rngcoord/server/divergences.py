@@ -134,7 +134,6 @@ def record(
     caller: Side,
     actor: str,
     now_us: int,
-    head: tuple[int, str] | None = None,
 ) -> Divergence:
     """Mark the epoch diverged at point `at` (located by `where`: a lease seq, or an attested
     op count) between the first speaker and the caller, and audit it, inside the writer's
@@ -153,7 +152,6 @@ def record(
         actor=actor,
         now_us=now_us,
         detail={"first": _side_detail(first)},
-        head=head,
     )
     return refusal(job, group, epoch, stored, caller.rank)
 
@@ -206,7 +204,6 @@ def _rederive(
     actor: str,
     now_us: int,
     detail: dict[str, object],
-    head: tuple[int, str] | None = None,
 ) -> str:
     """Re-derive the epoch's divergence record from every side heard, store it, and audit
     the caller's side (with `detail`); return the record."""
@@ -227,7 +224,6 @@ def _rederive(
             "sent": caller.sent,
             "peer": caller.peer,
         },
-        head=head,
     )
     return stored
 

@@ -81,7 +81,8 @@ class Grants(Handler):
                     size=size,
                     fingerprint=fingerprint,
                     now_us=self._clock.now_us(),
-                )
+                ),
+                queries.reserve_ahead(caller.job, caller.group, caller.rank, seq),
             )
         except Divergence:
             self._cache.groups.drop((caller.job, caller.group))
@@ -217,7 +218,6 @@ class Grants(Handler):
                 caller=mine,
                 actor=caller.actor,
                 now_us=now_us,
-                head=state.head,
             )
         if state.restored_cursor is not None:
             start = state.restored_cursor
@@ -276,7 +276,6 @@ class Grants(Handler):
                 "fingerprint": fingerprint.hex(),
                 "rank": caller.rank,
             },
-            head=state.head,
         )
         return Lease(group, epoch, seq, state.seed, start, end, False)
 

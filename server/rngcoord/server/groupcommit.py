@@ -2,22 +2,30 @@
 
 Callers on any thread hand an operation (a function of a `Tx`) to `GroupCommitWriter.submit`
 and block. The writer thread takes every operation waiting (up to `max_batch`), opens one
-transaction, runs each operation inside its own SAVEPOINT and commits once, so the whole
-batch shares one fsync. Then it completes every caller:
+transaction, runs each operation so that its writes alone can be taken back (`Tx.begin_op`:
+a savepoint, where the backend needs one) and commits once, so the whole batch shares one
+fsync. Then it completes every caller:
 
 - an operation that returned: its result, once the commit has succeeded;
-- a `CoordinatorError`: its savepoint is rolled back and the error goes to that caller only;
-  with `keep_writes` the savepoint is kept instead and the error is raised after the commit;
-- any other exception: its savepoint is rolled back and the exception goes to that caller,
+- a `CoordinatorError`: its writes are taken back and the error goes to that caller only;
+  with `keep_writes` they are kept instead and the error is raised after the commit;
+- any other exception: its writes are taken back and the exception goes to that caller,
   unless the backend classifies it as retryable (a serialization failure or deadlock), which
   aborts the attempt: the whole batch is rolled back and run again, at most `max_attempts`
   times, with exponential backoff and jitter;
-- a failed BEGIN, SAVEPOINT or COMMIT, or an operation failing because the database cannot
+- a failed BEGIN, savepoint or COMMIT, or an operation failing because the database cannot
   serve (`is_unavailable`: disk full, I/O error, tables gone): every operation of the batch
   gets `Unavailable`.
 
 Backends supply the transaction control as callbacks, so SQLite and PostgreSQL share this one
 implementation. Operations must be pure functions of the transaction, as they may run again.
+
+An operation may name its first query (`store.ReadAhead`). The writer then sends the batch's
+read-aheads in one round trip (`Tx.read_ahead`) before it runs any operation, and answers each
+operation's query from it unless an earlier operation of the batch may have changed its rows:
+one with the same key, or one without a read-ahead. On PostgreSQL, which holds every write back
+until something needs an answer, a batch of grants then waits on the database four times
+(lock, reads, writes, commit) instead of once or more per grant.
 
 Nothing a caller does can stop the thread (docs/design.md §7.3). A caller that gave up (its
 future was cancelled, as `asyncio.wrap_future` does when a client cancels its call) before the
@@ -35,14 +43,14 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from rngcoord.server.errors import CoordinatorError, Unavailable
 from rngcoord.server.logs import event, get_logger
-from rngcoord.server.store import Tx, WriteProblem
+from rngcoord.server.store import ReadAhead, Tx, WriteProblem
 
 __all__ = ["GroupCommitWriter"]
 
@@ -54,6 +62,53 @@ _log = get_logger("writer")
 class _Op:
     fn: Callable[[Tx], Any]
     future: Future[Any]
+    ahead: ReadAhead | None = None
+
+
+class _Primed:
+    """A `Tx` that answers one query from a row the writer read ahead, once, and passes every
+    other statement to the transaction."""
+
+    def __init__(self, tx: Tx, ahead: ReadAhead, row: tuple[Any, ...] | None) -> None:
+        self._tx = tx
+        self._ahead: ReadAhead | None = ahead
+        self._row = row
+
+    @property
+    def head(self) -> tuple[int, str] | None:
+        return self._tx.head
+
+    @head.setter
+    def head(self, value: tuple[int, str] | None) -> None:
+        self._tx.head = value
+
+    def execute(self, sql: str, params: Sequence[object] = ()) -> int:
+        return self._tx.execute(sql, params)
+
+    def write(self, sql: str, params: Sequence[object] = ()) -> None:
+        self._tx.write(sql, params)
+
+    def executemany(self, sql: str, params: Sequence[Sequence[object]]) -> None:
+        self._tx.executemany(sql, params)
+
+    def fetchone(self, sql: str, params: Sequence[object] = ()) -> tuple[Any, ...] | None:
+        ahead = self._ahead
+        if ahead is not None and sql == ahead.sql and tuple(params) == ahead.params:
+            self._ahead = None
+            return self._row
+        return self._tx.fetchone(sql, params)
+
+    def fetchall(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        return self._tx.fetchall(sql, params)
+
+    def read_ahead(self, reads: Sequence[ReadAhead]) -> list[tuple[Any, ...] | None] | None:
+        return None
+
+    def begin_op(self) -> None:
+        self._tx.begin_op()
+
+    def end_op(self, keep: bool) -> None:
+        self._tx.end_op(keep)
 
 
 class _AttemptFailed(Exception):
@@ -85,7 +140,7 @@ class GroupCommitWriter:
             gets `Unavailable`, as for a failed commit. Default: none does.
         rerun: True for an exception after which the batch runs again at once, without
             counting as an attempt, in a mode where it cannot recur in the same way
-            (PostgreSQL: an error surfaced in pipeline mode; `rollback` turns the pipeline
+            (PostgreSQL: an error of a write held back; `rollback` turns holding back
             off for the rerun). A predicate: it must be False for the rerun's own errors.
             Default: never.
         name: the writer thread's name. Default "rngcoord-writer".
@@ -131,19 +186,19 @@ class GroupCommitWriter:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[Tx], T]) -> Future[T]:
+    def submit(self, fn: Callable[[Tx], T], ahead: ReadAhead | None = None) -> Future[T]:
         """Queue `fn` for the next batch; the future completes once the batch has committed.
 
         The future's exception is what `fn` raised (a `CoordinatorError`, or any other
         exception, whose writes are rolled back), or `Unavailable` when the batch could not
-        commit or the writer is closed.
+        commit or the writer is closed. `ahead`: the query `fn` reads first, or None.
         """
         future: Future[T] = Future()
         with self._lock:
             if self._closed:
                 future.set_exception(Unavailable("store is closed"))
                 return future
-            self._queue.put(_Op(fn, future))
+            self._queue.put(_Op(fn, future, ahead))
         return future
 
     def write(self, fn: Callable[[Tx], T]) -> T:
@@ -281,24 +336,38 @@ class GroupCommitWriter:
             tx = self._begin()
         except Exception as exc:
             raise _AttemptFailed("begin", exc) from exc
+        rows = self._read_ahead(tx, batch)
+        # Keys an earlier operation of the batch may have written; None: any key.
+        written: set[tuple[str, ...]] | None = set()
         outcomes: list[tuple[bool, Any]] = []
-        for op in batch:
+        for i, op in enumerate(batch):
             try:
-                tx.write("SAVEPOINT op")
+                tx.begin_op()
             except Exception as exc:
                 raise _AttemptFailed("write", exc) from exc
+            head = tx.head
+            run_in: Tx = tx
+            if op.ahead is not None and rows is not None and written is not None:
+                if op.ahead.key not in written:
+                    run_in = _Primed(tx, op.ahead, rows[i])
+                written.add(op.ahead.key)
+            else:
+                written = None
             try:
-                value = op.fn(tx)
+                value = op.fn(run_in)
             except CoordinatorError as exc:
-                self._end_savepoint(tx, keep=exc.keep_writes)
+                if not exc.keep_writes:
+                    tx.head = head
+                self._end_op(tx, keep=exc.keep_writes)
                 outcomes.append((False, exc))
             except Exception as exc:
                 if self._is_retryable(exc) or self._is_unavailable(exc) or self._rerun(exc):
                     raise _AttemptFailed("write", exc) from exc
-                self._end_savepoint(tx, keep=False)
+                tx.head = head
+                self._end_op(tx, keep=False)
                 outcomes.append((False, exc))
             else:
-                self._end_savepoint(tx, keep=True)
+                self._end_op(tx, keep=True)
                 outcomes.append((True, value))
         try:
             self._commit()
@@ -307,11 +376,25 @@ class GroupCommitWriter:
         return outcomes
 
     @staticmethod
-    def _end_savepoint(tx: Tx, *, keep: bool) -> None:
+    def _read_ahead(tx: Tx, batch: list[_Op]) -> list[tuple[Any, ...] | None] | None:
+        """Each operation's read-ahead row, by position in the batch (None for an operation
+        without one), or None when the backend reads nothing ahead."""
+        reads = [op.ahead for op in batch if op.ahead is not None]
+        if not reads:
+            return None
         try:
-            if not keep:
-                tx.write("ROLLBACK TO SAVEPOINT op")
-            tx.write("RELEASE SAVEPOINT op")
+            found = tx.read_ahead(reads)
+        except Exception as exc:
+            raise _AttemptFailed("read", exc) from exc
+        if found is None:
+            return None
+        rows = iter(found)
+        return [None if op.ahead is None else next(rows) for op in batch]
+
+    @staticmethod
+    def _end_op(tx: Tx, *, keep: bool) -> None:
+        try:
+            tx.end_op(keep)
         except Exception as exc:
             raise _AttemptFailed("write", exc) from exc
 

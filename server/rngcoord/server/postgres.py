@@ -6,14 +6,14 @@ Responsibilities:
   serialises writers across all replicas, so two replicas can never grant overlapping ranges
   and the audit chain stays linear. Under READ COMMITTED, each statement after the lock sees
   everything committed before it, so the operations' re-checks read the latest state.
-- Round trips: a batch runs in psycopg's pipeline mode. Statements whose outcome nobody reads
-  before the commit (`Tx.write`: savepoints, a grant's inserts, the audit record and head)
-  go out without waiting, and travel with the next query, whose result an operation needs:
-  a grant costs one round trip (its state read) instead of seven, and BEGIN with the head
-  lock one. Before COMMIT the pipeline is synced, so an error of any statement fails the
-  attempt before anything commits; such an attempt runs again without the pipeline, where
-  each operation's error is its own (an error surfaces at a later statement in pipeline
-  mode). The next batch is pipelined again.
+- Round trips: a batch waits on the database four times however many grants it holds
+  (docs/design.md §7.3): BEGIN with the head lock; the batch's read-aheads (`Tx.read_ahead`);
+  the writes, which `Tx.write` holds back and sends as one simple query before the next
+  statement whose answer is needed or before COMMIT; and COMMIT. An operation's writes are
+  taken back by dropping them while none was sent, so only an operation that sends its writes
+  before it ends opens a savepoint. An error of a held statement surfaces where they are
+  sent; such an attempt runs again sending each write as it comes, where each operation's
+  error is its own. The next batch holds its writes back again.
 - Retries: serialization failures (40001), deadlocks (40P01) and lost connections abort the
   batch, which runs again with bounded backoff (at most `max_attempts` times), then callers
   get UNAVAILABLE. A broken writer connection is replaced before the next attempt. A
@@ -53,6 +53,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from rngcoord.server.errors import Unavailable
 from rngcoord.server.groupcommit import GroupCommitWriter
 from rngcoord.server.store import (
+    ReadAhead,
     StoreLost,
     StoreNotFound,
     Tx,
@@ -72,11 +73,12 @@ MIGRATION_LOCK_KEY: Final = 0x726E67636F6F7264
 """The advisory-lock key ("rngcoord" in ASCII) that orders concurrent migrations."""
 
 _LOCK_HEAD = (
-    "SELECT m.value FROM audit_head h, meta m WHERE h.id = 1 AND m.name = 'store_id' "
-    "FOR UPDATE OF h"
+    "SELECT m.value, h.last_id, h.last_hash FROM audit_head h, meta m "
+    "WHERE h.id = 1 AND m.name = 'store_id' FOR UPDATE OF h"
 )
-"""Locks the chain's head for the transaction, and reads the store id in the same round trip:
-a write never lands in a store that replaced this one under the server."""
+"""Locks the chain's head for the transaction, and reads the store id and the head in the same
+round trip: a write never lands in a store that replaced this one under the server, and the
+batch's records chain on from the head without reading it again."""
 
 CHANGES_CHANNEL: Final = "rngcoord_changes"
 """Every write transaction sends a NOTIFY on this channel, delivered when it commits: the
@@ -137,37 +139,98 @@ class PostgresTx:
 
     Args:
         conn: the connection whose open transaction the statements run in.
-        pipeline: the connection's pipeline, when the transaction runs in pipeline mode:
-            `write` then sends without waiting, and a query's fetch, or `execute`'s sync,
-            collects what was sent before it in the same round trip. Default None.
+        deferred: whether `write` holds its statement back: held statements go to the server
+            together, as one simple query (bound client-side), before the next statement whose
+            outcome the caller needs (a query, `execute`) or at `flush`. An error of a held
+            statement then surfaces there, not where it was written. Default False.
+        head: the audit chain's head, as the write transaction's lock read it. Default None.
     """
 
     def __init__(
-        self, conn: psycopg.Connection[Any], pipeline: psycopg.Pipeline | None = None
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        deferred: bool = False,
+        head: tuple[int, str] | None = None,
     ) -> None:
         self._conn = conn
-        self._pipeline = pipeline
+        self._binder = psycopg.ClientCursor(conn) if deferred else None
+        self._held: list[str] = []
+        # The operation begun (`begin_op`): where its held writes start while it has no
+        # savepoint, and whether it has one.
+        self._op_start: int | None = None
+        self._op_saved = False
+        self.head = head
+
+    def flush(self) -> None:
+        """Send the statements held back, in one round trip."""
+        if self._op_start is not None:
+            # The operation's writes reach the server before it ends: only a savepoint can
+            # take them back now. An operation that never flushes needs none, so a batch of
+            # grants opens no subtransactions (past 64 in one transaction, every snapshot on
+            # the server gets slower: the subxid cache overflows).
+            self._held.insert(self._op_start, "SAVEPOINT op")
+            self._op_start = None
+            self._op_saved = True
+        if self._held:
+            statements = ";".join(self._held)
+            self._held.clear()
+            self._conn.execute(statements)  # no parameters: the simple protocol runs them all
+
+    def begin_op(self) -> None:
+        if self._binder is None:
+            self._conn.execute("SAVEPOINT op")
+            self._op_saved = True
+        else:
+            self._op_start = len(self._held)
+
+    def end_op(self, keep: bool) -> None:
+        if self._op_saved:
+            if not keep:
+                self.write("ROLLBACK TO SAVEPOINT op")
+            self.write("RELEASE SAVEPOINT op")
+        elif not keep and self._op_start is not None:
+            del self._held[self._op_start :]  # never sent: dropping them takes them back
+        self._op_start = None
+        self._op_saved = False
+
+    def read_ahead(self, reads: Sequence[ReadAhead]) -> list[tuple[Any, ...] | None] | None:
+        binder = self._binder
+        if binder is None:
+            return None
+        self.flush()
+        binder.execute(
+            ";".join(binder.mogrify(convert_placeholders(r.sql), r.params) for r in reads)
+        )
+        rows = [binder.fetchone()]
+        while binder.nextset():
+            rows.append(binder.fetchone())
+        return rows
 
     def execute(self, sql: str, params: Sequence[object] = ()) -> int:
-        cursor = self._conn.execute(convert_placeholders(sql), tuple(params))
-        if self._pipeline is not None:
-            self._pipeline.sync()  # the row count arrives with the statement's result
-        return cursor.rowcount
+        self.flush()
+        return self._conn.execute(convert_placeholders(sql), tuple(params)).rowcount
 
     def write(self, sql: str, params: Sequence[object] = ()) -> None:
-        self._conn.execute(convert_placeholders(sql), tuple(params))
+        if self._binder is None:
+            self._conn.execute(convert_placeholders(sql), tuple(params))
+        else:
+            self._held.append(self._binder.mogrify(convert_placeholders(sql), tuple(params)))
 
     def executemany(self, sql: str, params: Sequence[Sequence[object]]) -> None:
+        self.flush()
         with self._conn.cursor() as cursor:
             cursor.executemany(convert_placeholders(sql), [tuple(row) for row in params])
 
     def fetchone(self, sql: str, params: Sequence[object] = ()) -> tuple[Any, ...] | None:
+        self.flush()
         row: tuple[Any, ...] | None = self._conn.execute(
             convert_placeholders(sql), tuple(params)
         ).fetchone()
         return row
 
     def fetchall(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        self.flush()
         return self._conn.execute(convert_placeholders(sql), tuple(params)).fetchall()
 
 
@@ -274,11 +337,12 @@ class PostgresStore:
         self._close_lock = threading.Lock()
 
         self._conn: psycopg.Connection[Any] | None = None
-        # Pipeline mode for the next write attempt; whether the current one is pipelined, and
-        # its pipeline while open (set before `_migrate`, whose failure calls `_rollback`).
-        self._pipelined = True
-        self._attempt_pipelined = False
-        self._pipe: contextlib.ExitStack | None = None
+        # Whether the next write attempt holds its writes back, whether the current one does,
+        # and its transaction while open (set before `_migrate`, whose failure calls
+        # `_rollback`).
+        self._deferred = True
+        self._attempt_deferred = False
+        self._tx: PostgresTx | None = None
         try:
             self._migrate()
         except psycopg.OperationalError as exc:
@@ -381,40 +445,40 @@ class PostgresStore:
 
     def _begin(self) -> PostgresTx:
         conn = self._writer_connection()
-        pipeline = None
-        self._attempt_pipelined = self._pipelined
-        if self._pipelined:
-            self._pipe = contextlib.ExitStack()
-            pipeline = self._pipe.enter_context(conn.pipeline())
-        conn.execute(self._begin_sql)
+        self._attempt_deferred = self._deferred
+        binder = psycopg.ClientCursor(conn)
         try:
-            row = conn.execute(_LOCK_HEAD).fetchone()
+            # BEGIN and the lock in one round trip.
+            binder.execute(f"{self._begin_sql}; {_LOCK_HEAD}")
+            binder.nextset()
+            row = binder.fetchone()
         except psycopg.errors.UndefinedTable as exc:
             raise StoreLost(f"rngcoord's tables are gone from {self.url}: {exc}") from exc
         if row is None or row[0] != self.store_id:
             found = "none" if row is None else row[0]
             raise StoreLost(f"the database {self.url} now holds another store ({found})")
-        return PostgresTx(conn, pipeline)
+        self._tx = PostgresTx(conn, deferred=self._deferred, head=(int(row[1]), str(row[2])))
+        return self._tx
 
     def _rerun(self, exc: BaseException) -> bool:
-        """True for a database error of a pipelined attempt, whose statement may belong to an
-        earlier operation than the one it surfaced in: the batch runs again at once without
-        the pipeline (`_rollback` turns it off), where each operation's error is its own."""
-        return self._attempt_pipelined and isinstance(exc, psycopg.Error)
+        """True for a database error of an attempt whose writes were held back, since their
+        error may belong to an earlier operation than the one it surfaced in: the batch runs
+        again at once sending each write as it comes (`_rollback` turns deferring off), where
+        each operation's error is its own."""
+        return self._attempt_deferred and isinstance(exc, psycopg.Error)
 
     def _commit(self) -> None:
         # Never `_writer_connection()` here: a fresh connection would have no transaction to
         # commit, and the COMMIT would "succeed" with nothing written.
-        conn = self._conn
-        if conn is None:
+        conn, tx = self._conn, self._tx
+        if conn is None or tx is None:
             raise _CommitOutcomeUnknown(f"no connection to {self.url} to commit on")
-        conn.execute(f"NOTIFY {CHANGES_CHANNEL}")
-        if self._pipe is not None:
-            # Sync before COMMIT: an error of any statement sent raises here, with nothing
-            # committed (`_rerun` then runs the batch again without the pipeline).
-            self._pipe.close()
-            self._pipe = None
-        self._pipelined = True
+        # The held writes go first, on their own: an error of any of them raises here, with
+        # nothing committed (`_rerun` then runs the batch again without deferring).
+        tx.write(f"NOTIFY {CHANGES_CHANNEL}")
+        tx.flush()
+        self._tx = None
+        self._deferred = True
         try:
             conn.execute("COMMIT")
         except psycopg.Error as exc:
@@ -426,14 +490,10 @@ class PostgresStore:
             raise
 
     def _rollback(self) -> None:
-        # The next attempt runs unpipelined, so that a rerun gets each error where it belongs;
-        # the next commit turns the pipeline back on.
-        self._pipelined = False
-        if self._pipe is not None:
-            pipe, self._pipe = self._pipe, None
-            # Leaving pipeline mode syncs, and re-raises the error that failed the attempt.
-            with contextlib.suppress(psycopg.Error):
-                pipe.close()
+        # The next attempt sends each write as it comes, so that a rerun gets each error where
+        # it belongs; the next commit turns deferring back on.
+        self._deferred = False
+        self._tx = None
         conn = self._conn
         if conn is None or conn.closed:
             return
@@ -455,9 +515,9 @@ class PostgresStore:
         """
         return self._writer.write(fn)
 
-    def submit(self, fn: Callable[[Tx], T]) -> Future[T]:
+    def submit(self, fn: Callable[[Tx], T], ahead: ReadAhead | None = None) -> Future[T]:
         """`write` without waiting; see `Store.submit`."""
-        return self._writer.submit(fn)
+        return self._writer.submit(fn, ahead)
 
     def write_problem(self, stall_s: float) -> WriteProblem | None:
         """See `Store.write_problem`."""

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rngcoord.server.store import Tx, from_db, to_db
+from rngcoord.server.store import ReadAhead, Tx, from_db, to_db
 
 __all__ = [
     "RESERVE_LOOKUP",
@@ -42,6 +42,7 @@ __all__ = [
     "member",
     "members_of_ranks",
     "members_page",
+    "reserve_ahead",
     "reserve_state",
     "restore_cursor",
     "sides",
@@ -579,8 +580,8 @@ database (nor its signed 64-bit range)."""
 _RESERVE_STATE = (
     "SELECT g.seed, g.epoch, g.high_water, e.start, e.diverged, m.member_id, m.left_us, "
     'm.secret_hash, l.start, l."end", l.size, l.fingerprint, l.rank, l.actor, l.peer, '
-    'p."end", r."cursor", h.last_id, h.last_hash '
-    "FROM groups g JOIN audit_head h ON h.id = 1 "
+    'p."end", r."cursor" '
+    "FROM groups g "
     "LEFT JOIN epochs e ON e.job = g.job AND e.grp = g.grp AND e.epoch = g.epoch "
     "LEFT JOIN members m ON m.job = g.job AND m.grp = g.grp AND m.epoch = g.epoch AND m.rank = ? "
     "LEFT JOIN leases l ON l.job = g.job AND l.grp = g.grp AND l.epoch = g.epoch AND l.seq = ? "
@@ -604,18 +605,23 @@ class ReserveState:
     granted_by: tuple[int, str, str] | None  # (rank, actor, peer) of the grant's requester
     previous_end: int | None
     restored_cursor: int | None
-    head: tuple[int, str]
+
+
+def reserve_ahead(job: str, group: str, rank: int, seq: int) -> ReadAhead:
+    """`reserve_state`'s query, for the writer to read ahead of the grant."""
+    return ReadAhead((job, group), _RESERVE_STATE, (rank, seq, seq - 1, seq, job, group))
 
 
 def reserve_state(tx: Tx, job: str, group: str, rank: int, seq: int) -> ReserveState | None:
-    """The grant's view of the group, the caller's membership, leases seq and seq - 1, the
-    restore of seq and the audit head; None when the group does not exist."""
-    row = tx.fetchone(_RESERVE_STATE, (rank, seq, seq - 1, seq, job, group))
+    """The grant's view of the group, the caller's membership, leases seq and seq - 1 and the
+    restore of seq; None when the group does not exist."""
+    ahead = reserve_ahead(job, group, rank, seq)
+    row = tx.fetchone(ahead.sql, ahead.params)
     if row is None:
         return None
     (seed, epoch, high_water, start, diverged, member_id, left_us, secret) = row[:8]
     (g_start, g_end, g_size, g_fp, g_rank, g_actor, g_peer) = row[8:15]
-    (prev_end, cursor, last_id, last_hash) = row[15:]
+    (prev_end, cursor) = row[15:]
     granted = None
     if g_start is not None:
         granted = LeaseRow(from_db(g_start), from_db(g_end), from_db(g_size), bytes(g_fp))
@@ -630,7 +636,6 @@ def reserve_state(tx: Tx, job: str, group: str, rank: int, seq: int) -> ReserveS
         granted_by=None if g_rank is None else (int(g_rank), g_actor, g_peer),
         previous_end=None if prev_end is None else from_db(prev_end),
         restored_cursor=None if cursor is None else from_db(cursor),
-        head=(int(last_id), str(last_hash)),
     )
 
 

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from rngcoord.server.errors import Unavailable
 from rngcoord.server.groupcommit import GroupCommitWriter
 from rngcoord.server.store import (
+    ReadAhead,
     StoreLost,
     StoreNotFound,
     Tx,
@@ -51,6 +52,18 @@ class SqliteTx:
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self._conn = conn
+        self.head: tuple[int, str] | None = None
+
+    def read_ahead(self, reads: Sequence[ReadAhead]) -> list[tuple[Any, ...] | None] | None:
+        return None  # a local read costs no round trip: each operation reads for itself
+
+    def begin_op(self) -> None:
+        self._conn.execute("SAVEPOINT op")
+
+    def end_op(self, keep: bool) -> None:
+        if not keep:
+            self._conn.execute("ROLLBACK TO SAVEPOINT op")
+        self._conn.execute("RELEASE SAVEPOINT op")
 
     def execute(self, sql: str, params: Sequence[object] = ()) -> int:
         return self._conn.execute(sql, tuple(params)).rowcount
@@ -166,6 +179,7 @@ class SqliteStore:
     def _begin(self) -> SqliteTx:
         self._check_file()
         self._conn.execute("BEGIN IMMEDIATE")
+        self._tx.head = None  # another process may have appended since the last batch
         return self._tx
 
     def _check_file(self) -> None:
@@ -237,9 +251,9 @@ class SqliteStore:
         """Run `fn` in the next group commit; durable (WAL fsynced) on return."""
         return self._writer.write(fn)
 
-    def submit(self, fn: Callable[[Tx], T]) -> Future[T]:
+    def submit(self, fn: Callable[[Tx], T], ahead: ReadAhead | None = None) -> Future[T]:
         """`write` without waiting; see `Store.submit`."""
-        return self._writer.submit(fn)
+        return self._writer.submit(fn, ahead)
 
     def write_problem(self, stall_s: float) -> WriteProblem | None:
         """See `Store.write_problem`."""

@@ -2,6 +2,8 @@
 
 - `Tx` and `Store`: the protocols the coordinator codes against. SQL is written once, with `?`
   placeholders and portable statements only; a backend adapts it to its driver.
+- `ReadAhead`: the query a write operation reads first, which the writer may send together
+  with the rest of its batch's (docs/design.md §7.3).
 - `row_reader(store)`: the cheapest way a store offers to read one row of one query; a backend
   opts in by implementing `RowReader`.
 - `to_db` / `from_db`: uint64 values (seeds, offsets, sizes, cursors) live in signed 64-bit
@@ -22,6 +24,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 __all__ = [
     "BIAS",
+    "ReadAhead",
     "RowReader",
     "Store",
     "StoreLost",
@@ -74,14 +77,35 @@ def from_db(value: int) -> int:
 class Tx(Protocol):
     """One open transaction. Statements use `?` placeholders."""
 
+    head: tuple[int, str] | None
+    """The audit chain's head (last id, last hash) as this write transaction has it, or None
+    where nobody has read it yet: `audit.Chain.append` reads it once and then keeps it here, so
+    a batch of grants reads the head once, not once per record. The writer restores it when
+    it rolls an operation's savepoint back."""
+
+    def read_ahead(self, reads: Sequence[ReadAhead]) -> list[tuple[Any, ...] | None] | None:
+        """Run each read and return its first row (None for none), in one round trip where the
+        backend can (PostgreSQL); None where that would gain nothing (SQLite), and then each
+        read runs when its operation asks for it."""
+        ...
+
+    def begin_op(self) -> None:
+        """Start one operation of a write batch, whose writes `end_op` may take back without
+        touching the operations before it (a savepoint, where the backend needs one)."""
+        ...
+
+    def end_op(self, keep: bool) -> None:
+        """End the operation `begin_op` started, keeping its writes or taking them back."""
+        ...
+
     def execute(self, sql: str, params: Sequence[object] = ()) -> int:
         """Run a statement whose rows (if any) are not needed; return the rows it changed."""
         ...
 
     def write(self, sql: str, params: Sequence[object] = ()) -> None:
-        """Run a statement whose outcome nobody reads before the commit. A backend may send
-        it without waiting (PostgreSQL's pipeline mode), so an error it raises may surface
-        at a later statement of the transaction, or at the commit, which then fails."""
+        """Run a statement whose outcome nobody reads before the commit. A backend may hold
+        it back and send it with others (PostgreSQL), so an error it raises may surface at a
+        later statement of the transaction, or at the commit, which then fails."""
         ...
 
     def executemany(self, sql: str, params: Sequence[Sequence[object]]) -> None:
@@ -95,6 +119,26 @@ class Tx(Protocol):
     def fetchall(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
         """Run a query and return all of its rows."""
         ...
+
+
+class ReadAhead(NamedTuple):
+    """The first query of a write operation, known before the operation runs.
+
+    The group-commit writer sends the read-aheads of a whole batch in one round trip, then
+    hands each operation its row when the operation's `fetchone` asks this query with these
+    parameters, unless an earlier operation of the batch may have changed what it reads: one
+    with the same `key`, or one without a read-ahead (which could write anything). Then the
+    operation reads for itself, as it would without one.
+
+    Attributes:
+        key: what the read depends on; operations with other keys never write its rows.
+        sql: the query, with `?` placeholders, exactly as the operation passes it.
+        params: its parameters, exactly as the operation passes them.
+    """
+
+    key: tuple[str, ...]
+    sql: str
+    params: tuple[object, ...]
 
 
 class WriteProblem(NamedTuple):
@@ -146,9 +190,10 @@ class Store(Protocol):
         """
         ...
 
-    def submit(self, fn: Callable[[Tx], T]) -> Future[T]:
+    def submit(self, fn: Callable[[Tx], T], ahead: ReadAhead | None = None) -> Future[T]:
         """`write` without waiting: the future completes as `write` would return or raise. The
-        coordinator's event loop awaits it, so no thread waits on a commit."""
+        coordinator's event loop awaits it, so no thread waits on a commit. `ahead`: the query
+        `fn` reads first (`ReadAhead`), or None."""
         ...
 
     def write_problem(self, stall_s: float) -> WriteProblem | None:
