@@ -559,7 +559,7 @@ def test_each_operation_keeps_or_loses_its_own_writes(
 
     first = store.submit(hold)
     assert held.wait(5)
-    futures = [
+    futures: list[Future[Any]] = [
         store.submit(op("dropped", read=False, error=InvalidArgument)),
         store.submit(op("sent-then-rolled-back", read=True, error=InvalidArgument)),
         store.submit(op("other-error", read=True, error=ValueError)),
