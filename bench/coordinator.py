@@ -19,13 +19,18 @@ What runs, all in one invocation so that the figures are measured side by side:
    + size ... RETURNING high_water; INSERT INTO leases ...; COMMIT` on SQLite (WAL,
    synchronous=FULL), and a primary-key SELECT for hits. With a PostgreSQL --db the same
    transactions also run through psycopg on a second scratch database.
+5. With a PostgreSQL --db, the store's grant path without the transport: durable grants
+   through a `Coordinator` in this process (no gRPC) at the highest client count, on a third
+   scratch database (`store-postgres`).
 
 Throughput counts the calls completed inside the measured window (after a warm-up); latency
 is each call's wall time as the client sees it. Progress goes to stderr; stdout gets a table
 and, as its last line, one JSON object with durable_grants_per_s, idempotent_hits_per_s and
 p99_ms_at_64 (coordinator, at the highest client count), ratio_to_sqlite_baseline (durable
 grants over the bare-SQLite baseline at that count), hits_ratio_to_noop_grpc (coordinator hits
-over the no-op server's calls), and every per-level figure.
+over the no-op server's calls), and every per-level figure; with PostgreSQL also
+ratio_to_psycopg_baseline, store_ratio_to_psycopg_baseline (step 5 over bare psycopg) and
+noop_grpc_ratio_to_psycopg_baseline (the most any coordinator could reach through gRPC here).
 """
 
 from __future__ import annotations
@@ -650,6 +655,61 @@ def measure_coordinator(
     return results
 
 
+def measure_in_process(args: argparse.Namespace, db_url: str, system: str) -> Result:
+    """Durable grants through a `Coordinator` in this process, with no gRPC: what the store's
+    grant path can do by itself. Its callers are coroutines on the Coordinator's loop (each
+    owns a group of world size 1 and asks for the next seq in a closed loop), so they share
+    its GIL, as the servicer's loop does in a server."""
+    from rngcoord.server.coordinator import Coordinator
+    from rngcoord.server.membership import Caller
+    from rngcoord.server.stores import open_store
+
+    clients = max(args.levels)
+
+    async def run() -> tuple[list[float], int]:
+        coordinator = Coordinator(open_store(db_url, create=True), join_timeout_s=30)
+        await coordinator.start()
+        callers = []
+        for i in range(clients):
+            member = f"m{i}"
+            await coordinator.join(
+                "bench", f"g{i}", rank=0, world_size=1, member_id=member,
+                member_secret=_member_secret(member), job_seed=1,
+            )  # fmt: skip
+            callers.append(Caller("bench", f"g{i}", 1, 0, member, _member_secret(member)))
+        latencies: list[float] = []
+        errors = 0
+        loop = asyncio.get_running_loop()
+        measure_from = loop.time() + args.warmup
+        stop = measure_from + args.seconds
+
+        async def grant(caller: Caller) -> None:
+            nonlocal errors
+            seq = 0
+            while (now := loop.time()) < stop:
+                try:
+                    await coordinator.reserve(
+                        caller, seq=seq, size=LEASE_SIZE, fingerprint=FINGERPRINT
+                    )
+                except Exception:
+                    errors += 1
+                    continue
+                seq += 1
+                if now >= measure_from:
+                    latencies.append(loop.time() - now)
+
+        try:
+            await asyncio.gather(*(grant(c) for c in callers))
+        finally:
+            await coordinator.close()
+        return latencies, errors
+
+    latencies, errors = asyncio.run(run())
+    result = _result(system, "durable", clients, latencies, errors, args.seconds)
+    log(report_line(result))
+    return result
+
+
 def measure_baseline(
     baseline: SqliteBaseline | PsycopgBaseline, args: argparse.Namespace
 ) -> list[Result]:
@@ -674,6 +734,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.postgres:
             with scratch_postgres(args.db, "coord") as url:
                 results += measure_coordinator(args, url, workdir, replicas=args.replicas)
+            with scratch_postgres(args.db, "store") as url:
+                results.append(measure_in_process(args, url, "store-postgres"))
             with scratch_postgres(args.db, "bare") as url:
                 results += measure_baseline(PsycopgBaseline(url), args)
             # The same workload on the embedded default, so the PostgreSQL figures come with
@@ -727,6 +789,14 @@ def main(argv: list[str] | None = None) -> int:
         on_sqlite = pick("coord-sqlite", "durable", top)
         summary["ratio_to_sqlite_coordinator"] = round(
             durable.per_s / max(on_sqlite.per_s, 1e-9), 2
+        )
+        # Without gRPC: the store's grant path by itself, and what the transport would
+        # allow a coordinator that did no work at all (a no-op servicer's calls).
+        store = pick("store-postgres", "durable", top)
+        summary["store_grants_per_s"] = round(store.per_s)
+        summary["store_ratio_to_psycopg_baseline"] = round(store.per_s / max(bare.per_s, 1e-9), 2)
+        summary["noop_grpc_ratio_to_psycopg_baseline"] = round(
+            ceiling.per_s / max(bare.per_s, 1e-9), 2
         )
         hits_on_sqlite = pick("coord-sqlite", "hits", top)
         summary["hits_ratio_to_sqlite_coordinator"] = round(
