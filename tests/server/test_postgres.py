@@ -451,6 +451,16 @@ def _batch_of_reads_ahead(store: PostgresStore, *, break_batch: bool) -> list[An
 
         return op
 
+    def add_then_count(name: str) -> Callable[[Tx], int]:
+        def op(tx: Tx) -> int:
+            tx.write(
+                "INSERT INTO jobs (job, seed, created_us) VALUES (?, 0, 0)",
+                (f"{name}-{break_batch}",),
+            )
+            return _count_jobs(tx)  # not its first statement: the row read ahead is stale
+
+        return op
+
     def bad(tx: Tx) -> None:
         tx.write("INSERT INTO meta (name, value) VALUES ('store_id', 'another')")
 
@@ -461,6 +471,7 @@ def _batch_of_reads_ahead(store: PostgresStore, *, break_batch: bool) -> list[An
     assert held.wait(5)
     ops: list[tuple[Callable[[Tx], Any], ReadAhead | None]] = [
         (count_and_add("x1"), ahead("x")),
+        (add_then_count("v1"), ahead("v")),  # writes before it reads: live
         (count_and_add("y1", again=True), ahead("y")),  # primed once, then live
         (count_and_add("x2"), ahead("x")),  # x was written: live
         (count_and_add("z1"), None),  # no read-ahead: it could write anything
@@ -480,11 +491,11 @@ def test_reads_ahead_answer_a_batch_until_their_key_is_written(
     first read from them only while no earlier operation of the batch wrote its key or went
     without a read-ahead. After an error of a held-back write the batch reruns, reading live."""
     store = open_stores()
-    assert _batch_of_reads_ahead(store, break_batch=False) == [0, (0, 2), 2, 3, 4]
+    assert _batch_of_reads_ahead(store, break_batch=False) == [0, 2, (0, 3), 3, 4, 5]
     results = _batch_of_reads_ahead(store, break_batch=True)
     assert isinstance(results[1], psycopg.errors.UniqueViolation)
-    assert results[:1] + results[2:] == [5, (6, 7), 7, 8, 9]
-    assert _count_jobs_now(store) == 10
+    assert results[:1] + results[2:] == [6, 8, (8, 9), 9, 10, 11]
+    assert _count_jobs_now(store) == 12
 
 
 def _count_jobs_now(store: PostgresStore) -> int:

@@ -66,8 +66,8 @@ class _Op:
 
 
 class _Primed:
-    """A `Tx` that answers one query from a row the writer read ahead, once, and passes every
-    other statement to the transaction."""
+    """A `Tx` that answers the operation's first statement from the row the writer read
+    ahead, when it is that query, and passes every other statement to the transaction."""
 
     def __init__(self, tx: Tx, ahead: ReadAhead, row: tuple[Any, ...] | None) -> None:
         self._tx = tx
@@ -83,22 +83,25 @@ class _Primed:
         self._tx.head = value
 
     def execute(self, sql: str, params: Sequence[object] = ()) -> int:
+        self._ahead = None  # the row predates whatever the operation does from here on
         return self._tx.execute(sql, params)
 
     def write(self, sql: str, params: Sequence[object] = ()) -> None:
+        self._ahead = None
         self._tx.write(sql, params)
 
     def executemany(self, sql: str, params: Sequence[Sequence[object]]) -> None:
+        self._ahead = None
         self._tx.executemany(sql, params)
 
     def fetchone(self, sql: str, params: Sequence[object] = ()) -> tuple[Any, ...] | None:
-        ahead = self._ahead
+        ahead, self._ahead = self._ahead, None
         if ahead is not None and sql == ahead.sql and tuple(params) == ahead.params:
-            self._ahead = None
             return self._row
         return self._tx.fetchone(sql, params)
 
     def fetchall(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        self._ahead = None
         return self._tx.fetchall(sql, params)
 
     def read_ahead(self, reads: Sequence[ReadAhead]) -> list[tuple[Any, ...] | None] | None:

@@ -164,18 +164,42 @@ class PostgresTx:
 
     def flush(self) -> None:
         """Send the statements held back, in one round trip."""
-        if self._op_start is not None:
+        if self._sendable():
+            self._conn.execute(self._take_held())  # no parameters: the simple protocol
+
+    def _sendable(self) -> bool:
+        """Whether statements are held; places the savepoint that the operation begun now
+        needs, if its writes are among them."""
+        if self._op_start is not None and self._op_start < len(self._held):
             # The operation's writes reach the server before it ends: only a savepoint can
-            # take them back now. An operation that never flushes needs none, so a batch of
-            # grants opens no subtransactions (past 64 in one transaction, every snapshot on
-            # the server gets slower: the subxid cache overflows).
+            # take them back now. An operation that never sends them needs none, so a batch
+            # of grants opens no subtransactions (past 64 in one transaction, every snapshot
+            # on the server gets slower: the subxid cache overflows).
             self._held.insert(self._op_start, "SAVEPOINT op")
             self._op_start = None
             self._op_saved = True
-        if self._held:
-            statements = ";".join(self._held)
-            self._held.clear()
-            self._conn.execute(statements)  # no parameters: the simple protocol runs them all
+        elif self._op_start is not None:
+            self._op_start = 0  # nothing of its own was held: the held list starts afresh
+        return bool(self._held)
+
+    def _take_held(self) -> str:
+        statements = ";".join(self._held)
+        self._held.clear()
+        return statements
+
+    def _query(self, sql: str, params: Sequence[object]) -> psycopg.Cursor[Any]:
+        """Run one statement after the held ones, all in one round trip; the cursor is at the
+        statement's result."""
+        query = convert_placeholders(sql)
+        if not self._sendable():
+            return self._conn.execute(query, tuple(params))
+        binder = self._binder
+        assert binder is not None  # statements are held only when deferred
+        self._held.append(binder.mogrify(query, tuple(params)))
+        binder.execute(self._take_held())
+        while binder.nextset():
+            pass
+        return binder
 
     def begin_op(self) -> None:
         if self._binder is None:
@@ -208,8 +232,7 @@ class PostgresTx:
         return rows
 
     def execute(self, sql: str, params: Sequence[object] = ()) -> int:
-        self.flush()
-        return self._conn.execute(convert_placeholders(sql), tuple(params)).rowcount
+        return self._query(sql, params).rowcount
 
     def write(self, sql: str, params: Sequence[object] = ()) -> None:
         if self._binder is None:
@@ -223,15 +246,11 @@ class PostgresTx:
             cursor.executemany(convert_placeholders(sql), [tuple(row) for row in params])
 
     def fetchone(self, sql: str, params: Sequence[object] = ()) -> tuple[Any, ...] | None:
-        self.flush()
-        row: tuple[Any, ...] | None = self._conn.execute(
-            convert_placeholders(sql), tuple(params)
-        ).fetchone()
+        row: tuple[Any, ...] | None = self._query(sql, params).fetchone()
         return row
 
     def fetchall(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
-        self.flush()
-        return self._conn.execute(convert_placeholders(sql), tuple(params)).fetchall()
+        return self._query(sql, params).fetchall()
 
 
 class _CommitOutcomeUnknown(Exception):
@@ -402,10 +421,14 @@ class PostgresStore:
             conn = psycopg.connect(
                 self._conninfo, autocommit=True, **self._connect_kwargs("rngcoord-writer")
             )
-            # A grant must be on stable storage before the reply leaves (docs/design.md §2.3),
-            # whatever the server's default says.
-            conn.execute("SET synchronous_commit TO on")
-            conn.execute(f"SET idle_in_transaction_session_timeout TO '{_WRITER_IDLE_TIMEOUT}'")
+            try:
+                # A grant must be on stable storage before the reply leaves (docs/design.md
+                # §2.3), whatever the server's default says.
+                conn.execute("SET synchronous_commit TO on")
+                conn.execute(f"SET idle_in_transaction_session_timeout TO '{_WRITER_IDLE_TIMEOUT}'")
+            except BaseException:
+                conn.close()
+                raise
             self._conn = conn
         return conn
 
@@ -444,8 +467,10 @@ class PostgresStore:
     # ------------------------------------------------------------------------- writes
 
     def _begin(self) -> PostgresTx:
-        conn = self._writer_connection()
+        # First: a failure to connect must not be taken for an error of held writes (`_rerun`),
+        # which would run the batch again at once, for ever.
         self._attempt_deferred = self._deferred
+        conn = self._writer_connection()
         binder = psycopg.ClientCursor(conn)
         try:
             # BEGIN and the lock in one round trip.
