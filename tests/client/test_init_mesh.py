@@ -24,7 +24,8 @@ from rngcoord.client.install import choose_device_type
 
 RANK_PROGRAM = textwrap.dedent(
     """
-    import logging, os, time
+    import logging, os
+    from datetime import timedelta
     import torch
     import torch.distributed as dist
     from rngcoord.client import init_mesh
@@ -38,13 +39,13 @@ RANK_PROGRAM = textwrap.dedent(
     # destroy_process_group or the interpreter's exit after it aborted a rank twice in CI
     # ("terminate called without an active exception", SIGABRT, on the rank that hosts the
     # TCPStore), after a barrier too, though not in 30 runs in a row here. Rank 1 says it is
-    # done through the store and leaves; rank 0, the store's host, leaves once both have said
-    # so, so no rank waits on a socket that has gone.
+    # done through the store and leaves; rank 0, the store's host, leaves once it has said so,
+    # so no rank waits on a socket that has gone.
     store = dist.distributed_c10d._get_default_store()
-    store.add("done", 1)
-    if dist.get_rank() == 0:
-        while store.add("done", 0) < 2:
-            time.sleep(0.01)
+    if dist.get_rank() == 1:
+        store.set("rank 1 done", "1")
+    else:
+        store.wait(["rank 1 done"], timedelta(seconds=60))
     os._exit(0)
     """
 )
@@ -74,10 +75,15 @@ def _run_ranks(tmp_path: Path, extra_env: dict[str, str], program: str = RANK_PR
         for rank in range(2)
     ]
     outputs = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, out
-        outputs.append(out)
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0, out
+            outputs.append(out)
+    finally:
+        for proc in procs:  # a failed rank leaves its peer waiting: end it with the test
+            proc.kill()
+            proc.wait()
     return outputs
 
 
