@@ -41,6 +41,7 @@ MAX_IN_FLIGHT = 4096
 MAX_UNTAKEN = 64
 
 _log = get_logger("session")
+_READER_DONE = object()
 #: Where grpcio-status puts the serialized google.rpc.Status (rpc_status.to_status).
 _DETAILS_KEY = "grpc-status-details-bin"
 
@@ -125,8 +126,9 @@ async def serve(
     host = peer_host(peer)
     caps.take(host)
     room = asyncio.Semaphore(MAX_IN_FLIGHT)
-    # None: a request was withdrawn, and its place freed (the loop below wakes to see it).
-    answers: asyncio.Queue[pb.SessionResponse | None] = asyncio.Queue()
+    # Answers; None: a request was withdrawn, and its place freed (the loop below wakes to see
+    # it); _READER_DONE: the reader ended.
+    answers: asyncio.Queue[Any] = asyncio.Queue()
     untaken = [0]  # answers in `answers`
     taken = asyncio.Event()  # set when an answer is taken
     tasks: dict[int, asyncio.Task[None]] = {}
@@ -146,8 +148,11 @@ async def serve(
             refusal = admit(method, request, peer, metadata) if admit is not None else None
             if refusal is not None:
                 raise SessionEnded(_status(refusal))
-            async with asyncio.timeout(deadline_s):
+            if deadline_s is None:
                 reply = await handler(request, ctx)
+            else:
+                async with asyncio.timeout(deadline_s):
+                    reply = await handler(request, ctx)
             getattr(response, kind).CopyFrom(reply)
         except SessionEnded as answered:
             response.error = answered.status.SerializeToString()
@@ -232,32 +237,24 @@ async def serve(
                 task.add_done_callback(functools.partial(withdrawn, request_id=message.id))
 
     reader = asyncio.create_task(read())
+    # The reader's end wakes the loop below through the same queue as the answers, so one
+    # `get` waits for either (a wait on both would cost a task and a future per answer).
+    reader.add_done_callback(lambda _: answers.put_nowait(_READER_DONE))
+    reading = True
     try:
-        while True:
-            if answers.empty():
-                if reader.done() and not tasks:
-                    break
-                taking = asyncio.ensure_future(answers.get())
-                waits: set[asyncio.Future[Any]] = {taking}
-                if not reader.done():
-                    waits.add(reader)
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                if not taking.done():
-                    taking.cancel()
-                    if reader.done() and reader.exception() is not None:
-                        raise reader.exception()  # type: ignore[misc]
-                    continue
-                response = taking.result()
-            else:
-                response = answers.get_nowait()
+        while reading or tasks or not answers.empty():
+            response = await answers.get()
+            if response is _READER_DONE:
+                reading = False
+                if not reader.cancelled() and reader.exception() is not None:
+                    raise reader.exception()  # type: ignore[misc]
+                continue
             if response is None:
                 continue
             yield response
             untaken[0] -= 1
             taken.set()
             room.release()
-        if reader.exception() is not None:
-            raise reader.exception()  # type: ignore[misc]
     finally:
         reader.cancel()
         for task in list(tasks.values()):
