@@ -135,6 +135,26 @@ def test_reserve_is_idempotent_and_a_hit_does_no_write(h: InProcess) -> None:
     assert len(records(h, "grant")) == 1
 
 
+def test_a_lease_that_memory_dropped_is_answered_by_the_writer_as_a_hit(h: InProcess) -> None:
+    # Memory knows the epoch and the member but not the lease (the bounded cache evicted
+    # it): the Reserve goes to the writer without a read first, and the writer's transaction
+    # finds the lease and answers it, granting nothing and appending no record.
+    epoch = form(h)
+    reserve(h, 0)
+    reserve(h, 0)  # a hit: the epoch and the member are now in memory
+    h.coord._cache.leases.drop((JOB, "g", 1, 0))
+    writes, before = h.store.writes, dump(h.store)
+    assert reserve(h, 0) == Lease("g", 1, 0, epoch.seed, 0, 64, existing=True)
+    assert h.store.writes == writes + 1
+    assert dump(h.store) == before
+    assert len(records(h, "grant")) == 1
+    # A different size for the same lease is still a divergence, recorded by the writer.
+    h.coord._cache.leases.drop((JOB, "g", 1, 0))
+    with pytest.raises(Divergence):
+        reserve(h, 0, size=128)
+    assert len(records(h, "divergence")) == 1
+
+
 def test_seqs_are_contiguous_and_raise_the_high_water_mark(h: InProcess) -> None:
     form(h)
     sizes = [4, 64, 1 << 32, 12]

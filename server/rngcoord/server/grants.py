@@ -3,12 +3,13 @@ by the writer (docs/design.md §6, §7.4).
 
 Reserve is the hot path. A hit (a lease already granted, asked again with the same size and
 fingerprint) is answered from the cache when the feed is fresh; otherwise from one
-primary-key join (`queries.RESERVE_LOOKUP`). A grant is one operation of the group-commit
-writer that re-checks, inside its transaction, everything the read path checked, so
-concurrent requests and other processes cannot slip between the check and the change: a
-member of a replaced epoch never gets a new grant, whatever any cache holds (§2.4). Every
-path fences the caller with `membership.fence`; a divergence is recorded and named by
-rngcoord.server.divergences.
+primary-key join (`queries.RESERVE_LOOKUP`), unless memory knows the caller's epoch and
+membership and lacks only the lease: that goes straight to the writer. A grant is one
+operation of the group-commit writer that re-checks, inside its transaction, everything the
+read path checked, so concurrent requests and other processes cannot slip between the
+check and the change: a member of a replaced epoch never gets a new grant, whatever any
+cache holds (§2.4). Every path fences the caller with `membership.fence`; a divergence is
+recorded and named by rngcoord.server.divergences.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ class Grants(Handler):
             check_seq(seq)
             check_size(size)
             check_fingerprint(fingerprint)
-        hit = self._hit(caller, seq, size, fingerprint)
-        if hit is None:
+        hit, known = self._hit(caller, seq, size, fingerprint)
+        if hit is None and not known:
             hit = await self._read_hit(caller, seq, size, fingerprint)
         if hit is not None:
             return hit
@@ -107,25 +108,32 @@ class Grants(Handler):
             )
         return lease
 
-    def _hit(self, caller: Caller, seq: int, size: int, fingerprint: bytes) -> Lease | None:
-        """The lease from memory, or None when memory cannot answer (or a grant must)."""
+    def _hit(
+        self, caller: Caller, seq: int, size: int, fingerprint: bytes
+    ) -> tuple[Lease | None, bool]:
+        """The lease from memory, if memory holds it; and whether memory knows the caller's
+        epoch and membership, so that a lease it lacks goes straight to the writer. A lease
+        that memory lacks may still be in the store (memory is bounded), but the writer's
+        transaction finds it there and answers it as a hit: a read first would only add a
+        query to every grant."""
         if not self._fresh():
-            return None
+            return None, False
         state = self._cache.groups.get((caller.job, caller.group))
         if state is None or caller.epoch > state.epoch:
-            return None  # a newer epoch may have formed elsewhere: ask the store
+            return None, False  # a newer epoch may have formed elsewhere: ask the store
         check_epoch(state.epoch, caller.job, caller.group, caller.epoch)
         if state.diverged is not None:
             self._refuse_diverged(caller, state.diverged, seq)
-            return None
+            return None, True
         held = self._cache.members.get((caller.job, caller.group, caller.epoch, caller.rank))
-        lease = self._cache.leases.get((caller.job, caller.group, caller.epoch, seq))
-        if held is None or lease is None:
-            return None
+        if held is None:
+            return None, False
         fence(caller, state.epoch, held)
-        if lease.size != size or lease.fingerprint != fingerprint:
-            return None  # a divergence: the grant path records it
-        return Lease(caller.group, caller.epoch, seq, state.seed, lease.start, lease.end, True)
+        lease = self._cache.leases.get((caller.job, caller.group, caller.epoch, seq))
+        if lease is None or lease.size != size or lease.fingerprint != fingerprint:
+            return None, True  # a grant, or a divergence, which the grant path records
+        hit = Lease(caller.group, caller.epoch, seq, state.seed, lease.start, lease.end, True)
+        return hit, True
 
     @staticmethod
     def _refuse_diverged(caller: Caller, stored: str, seq: int) -> None:
