@@ -23,8 +23,12 @@ What runs:
    once a second each (an open loop), whose latency (`p99_ms`) is the service time rather than
    the queue that 1,000 closed-loop callers build (latency = callers / throughput). The same
    hits as messages on one Session stream per connection (`msgs_per_s_session`, beside the
-   unary `hits_per_s`), and the same hits load as unary calls against a no-op servicer in one
-   process (`calls_per_s_unary_noop`): the unary transport's ceiling.
+   unary `hits_per_s`), and grants as messages too (`grants_per_s_session`, as `install()`
+   sends them). The same hits load against a no-op servicer in one process, as unary calls
+   (`calls_per_s_unary_noop`) and as Session messages (`msgs_per_s_session_noop`): the
+   transport's ceilings, with the server CPU per no-op message and the load generator's share
+   of a core. 10,000 messages at the no-op Session rate (`join_floor_s_10k_noop_session`) is
+   the least a one-message join storm of 10,000 ranks can take through this transport here.
 5. Leases sized to the work: a model-shaped op trace drives the real LeaseManager against the
    server: 96 layers, each one dropout of 8 x 64 x 4096 x 4096 elements and two of
    8 x 4096 x 12288, with a little compute per op, for 300 steps at a simulated step a second
@@ -281,6 +285,14 @@ async def measure_reserves(
         grants = await reserve_load(
             opened, job, population, grants=True, seconds=seconds, meter=meter
         )
+        # The same grants as Session messages, as install() sends them, on groups of their
+        # own (the groups above have granted the seqs these would ask for).
+        streamed_job = f"{job}-s"
+        await prepare(opened, streamed_job, population)
+        streamed_grants = await reserve_load(
+            opened, streamed_job, population, grants=True, seconds=seconds, session=True,
+            meter=meter,
+        )  # fmt: skip
         # Open loop: every rank asks once a second (a training step's worth of ops), so the
         # latency is the service time, not the queue a closed loop of 1,000 callers builds.
         paced = await reserve_load(
@@ -293,6 +305,7 @@ async def measure_reserves(
         ("hits", hits),
         ("session hits", streamed),
         ("grants", grants),
+        ("session grants", streamed_grants),
         ("paced", paced),
     ):
         if outcome.errors:
@@ -311,6 +324,12 @@ async def measure_reserves(
         "grants_per_s": round(grants.per_s),
         "grants_p50_ms": round(grants.percentile(0.5), 2),
         "grants_p99_ms": round(grants.percentile(0.99), 2),
+        "grants_per_s_session": round(streamed_grants.per_s),
+        "grants_session_p50_ms": round(streamed_grants.percentile(0.5), 2),
+        "grants_session_p99_ms": round(streamed_grants.percentile(0.99), 2),
+        "server_cpu_ms_per_session_grant": round(
+            1000 * streamed_grants.metered / max(streamed_grants.calls, 1), 4
+        ),
         "p99_ms": round(paced.percentile(0.99), 2),
         "p50_ms": round(paced.percentile(0.5), 2),
     }
@@ -349,6 +368,11 @@ class Noop(pb_grpc.CoordinatorServicer):
         lease = pb.Lease(group=request.group, epoch=1, seq=request.seq, seed=1, start=0, end=64)
         return pb.ReserveResponse(lease=lease, existing=True)
 
+    async def Session(self, requests, context):
+        async for message in requests:
+            reply = await self.Reserve(message.reserve, context)
+            yield pb.SessionResponse(id=message.id, reserve=reply)
+
 async def main():
     server = grpc.aio.server()
     pb_grpc.add_CoordinatorServicer_to_server(Noop(), server)
@@ -360,26 +384,49 @@ asyncio.run(main())
 """
 
 
-def noop_ceiling(ranks: int, channels: int, seconds: float) -> float:
-    """Calls/s of the same hits load against a servicer that answers constants: what one
-    Python gRPC server process and this load generator do on this machine."""
+def noop_ceiling(ranks: int, channels: int, seconds: float) -> dict[str, Any]:
+    """The same hits load against a servicer that answers constants, in one process: as
+    unary calls and as Session messages (answered one by one, as they come: the cheapest a
+    stream servicer can be). What one Python gRPC server process and this load generator do
+    on this machine, with the server's CPU per message and the load generator's share of a
+    core while it runs."""
     server = subprocess.Popen(
         [sys.executable, "-c", _NOOP_SERVER], stdout=subprocess.PIPE, text=True
     )
+    address = ""
     try:
         assert server.stdout is not None
         address = f"127.0.0.1:{int(server.stdout.readline())}"
+        _SERVERS[address] = server.pid
 
-        async def load() -> float:
+        async def load(session: bool) -> tuple[float, float, float]:
             opened = open_channels(address, channels)
             population = [Rank(f"g{i}", 0, 1) for i in range(ranks)]
-            outcome = await reserve_load(opened, "noop", population, grants=False, seconds=seconds)
+            t0, own0 = time.perf_counter(), time.process_time()
+            outcome = await reserve_load(
+                opened,
+                "noop",
+                population,
+                grants=False,
+                seconds=seconds,
+                session=session,
+                meter=lambda: server_cpu_s(address),
+            )
+            own = (time.process_time() - own0) / (time.perf_counter() - t0)
             for channel in opened:
                 await channel.close(None)
-            return outcome.per_s
+            return outcome.per_s, outcome.metered / max(outcome.calls, 1), own
 
-        return asyncio.run(load())
+        unary, _, _ = asyncio.run(load(session=False))
+        session, cpu_per_msg, loadgen_share = asyncio.run(load(session=True))
+        return {
+            "calls_per_s_unary_noop": round(unary),
+            "msgs_per_s_session_noop": round(session),
+            "server_cpu_ms_per_noop_session_msg": round(1000 * cpu_per_msg, 4),
+            "loadgen_core_share_session_noop": round(loadgen_share, 2),
+        }
     finally:
+        _SERVERS.pop(address, None)
         server.kill()
         server.wait()
 
@@ -617,11 +664,12 @@ def main(argv: list[str] | None = None) -> int:
         log("--workers 1 and 2 under the same reserve loads ...")
         results.update(workers_scaling(args.ranks, args.channels, args.seconds))
         log("the transport's ceiling: the hits load against a no-op servicer ...")
-        results["calls_per_s_unary_noop"] = round(
-            noop_ceiling(args.ranks, args.channels, args.seconds)
-        )
+        results.update(noop_ceiling(args.ranks, args.channels, args.seconds))
         results["hits_ratio_to_noop_grpc"] = round(
             results["hits_per_s"] / results["calls_per_s_unary_noop"], 2
+        )
+        results["session_ratio_to_noop_session"] = round(
+            results["msgs_per_s_session"] / results["msgs_per_s_session_noop"], 2
         )
         log(f"TCPStore barrier: 10000 ranks over {args.channels} connections ...")
         results["tcpstore_barrier_s_10k"] = round(tcpstore_barrier(10_000, args.channels), 3)
@@ -630,6 +678,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         results["ratio_join_one_message_to_tcpstore_10k"] = round(
             results["join_s_10k_one_message"] / results["tcpstore_barrier_s_10k"], 1
+        )
+        # 10,000 join messages at the no-op stream servicer's rate: the least a one-message
+        # storm can take through this transport here, whatever the coordinator does.
+        floor_s = 10_000 / results["msgs_per_s_session_noop"]
+        results["join_floor_s_10k_noop_session"] = round(floor_s, 2)
+        results["ratio_floor_to_tcpstore_10k"] = round(
+            floor_s / results["tcpstore_barrier_s_10k"], 1
         )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -654,11 +709,22 @@ def main(argv: list[str] | None = None) -> int:
          f"{results['session_p99_ms']}; {results['ratio_session_to_unary_hits']}x unary)"),
         ("grants/s at 1,000 ranks (p50 / p99 ms)",
          f"{results['grants_per_s']} ({results['grants_p50_ms']} / {results['grants_p99_ms']})"),
+        ("the same grants on Session streams (p50 / p99 ms)",
+         f"{results['grants_per_s_session']} ({results['grants_session_p50_ms']} / "
+         f"{results['grants_session_p99_ms']})"),
         ("hit latency, 1,000 ranks asking 1/s (p50 / p99 ms)",
          f"{results['p50_ms']} / {results['p99_ms']}"),
         ("no-op gRPC servicer, same hits load (one process)",
          f"{results['calls_per_s_unary_noop']} calls/s (hits reach "
          f"{results['hits_ratio_to_noop_grpc']} of it)"),
+        ("no-op Session servicer, same hits as messages (one process)",
+         f"{results['msgs_per_s_session_noop']} msgs/s, "
+         f"{results['server_cpu_ms_per_noop_session_msg']} ms server CPU each, load "
+         f"generator {results['loadgen_core_share_session_noop']} core (session hits reach "
+         f"{results['session_ratio_to_noop_session']} of it)"),
+        ("10k join messages at the no-op Session rate (floor)",
+         f"{results['join_floor_s_10k_noop_session']} s (ratio to TCPStore "
+         f"{results['ratio_floor_to_tcpstore_10k']})"),
         ("Reserve RPCs per rank per step, after warm-up",
          f"{results['reserves_per_rank_per_step']} (fixed 2^32 leases: "
          f"{results['fixed_2p32_leases_per_step']})"),
