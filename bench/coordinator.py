@@ -11,7 +11,9 @@ What runs, all in one invocation so that the figures are measured side by side:
    so that the client's GIL does not cap the server. Every client owns a group of world size
    1 and calls Reserve in a closed loop. "durable": each call asks for the next seq, so each
    one is a new grant, committed before the reply. "hits": each call repeats one of 8 leases
-   granted during setup, answered from a read. Client i talks to replica i mod N.
+   granted during setup, answered from a read. "durable-session": the durable calls as
+   messages on one Session stream per client process, as install()'s client sends them
+   (rngcoord.client.session). Client i talks to replica i mod N.
 3. The transport's ceiling: the hits workload against a no-op servicer (constant replies) on
    the coordinator's thread pool, started by this script (`serve-noop`).
 4. The baselines: the same two workloads as bare SQL transactions, no gRPC, one connection per
@@ -26,10 +28,12 @@ What runs, all in one invocation so that the figures are measured side by side:
 Throughput counts the calls completed inside the measured window (after a warm-up); latency
 is each call's wall time as the client sees it. Progress goes to stderr; stdout gets a table
 and, as its last line, one JSON object with durable_grants_per_s, idempotent_hits_per_s and
-p99_ms_at_64 (coordinator, at the highest client count), ratio_to_sqlite_baseline (durable
+p99_ms_at_64 (coordinator, at the highest client count), durable_grants_per_s_session (the
+same grants as Session messages), ratio_to_sqlite_baseline (durable
 grants over the bare-SQLite baseline at that count), hits_ratio_to_noop_grpc (coordinator hits
 over the no-op server's calls), and every per-level figure; with PostgreSQL also
-ratio_to_psycopg_baseline, store_ratio_to_psycopg_baseline (step 5 over bare psycopg) and
+ratio_to_psycopg_baseline, session_ratio_to_psycopg_baseline (the Session grants over bare
+psycopg), store_ratio_to_psycopg_baseline (step 5 over bare psycopg) and
 noop_grpc_ratio_to_psycopg_baseline (the most any coordinator could reach through gRPC here).
 """
 
@@ -61,6 +65,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import grpc
 
+from rngcoord.client.session import SessionStub
 from rngcoord.server.addresses import redact_url
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
@@ -68,7 +73,9 @@ from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 LEASE_SIZE = 1 << 20
 HIT_KEYS = 8
 FINGERPRINT = bytes(range(16))
-MODES = ("durable", "hits")
+#: "durable-session": the durable grants as Session messages, as install()'s client sends them
+#: (one stream per client process, shared by its threads).
+MODES = ("durable", "hits", "durable-session")
 
 
 def _member_secret(member_id: str) -> bytes:
@@ -171,9 +178,7 @@ def timed_loop(
             out.append(t1 - t0)
 
 
-def _client_thread(
-    stub: pb_grpc.CoordinatorStub, mode: str, group: str, phase: Phase, out: list[float]
-) -> None:
+def _client_thread(stub: Any, mode: str, group: str, phase: Phase, out: list[float]) -> None:
     member = "bench"
     try:
         epoch = stub.JoinGroup(
@@ -233,7 +238,11 @@ def client_worker(conn: Connection) -> None:
         target, mode, run_id, threads = command
         if target not in channels:
             channels[target] = grpc.insecure_channel(target)
-        stub = pb_grpc.CoordinatorStub(channels[target])
+        stub: Any = (
+            SessionStub(channels[target], ())
+            if mode.endswith("-session")
+            else pb_grpc.CoordinatorStub(channels[target])
+        )
         phase = Phase(threads)
         outs: list[list[float]] = [[] for _ in range(threads)]
         workers = [
@@ -258,6 +267,8 @@ def client_worker(conn: Connection) -> None:
         phase.start(warmup_s, seconds)
         for w in workers:
             w.join()
+        if isinstance(stub, SessionStub):
+            stub.close()
         conn.send((array.array("d", [x for out in outs for x in out]).tobytes(), phase.errors))
     for channel in channels.values():
         channel.close()
@@ -620,7 +631,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def report_line(r: Result) -> str:
     return (
-        f"{r.system:<14} {r.mode:<8} clients={r.clients:<3} {r.per_s:9.0f}/s  "
+        f"{r.system:<14} {r.mode:<15} clients={r.clients:<3} {r.per_s:9.0f}/s  "
         f"p50={r.p50_ms:7.2f} ms  p99={r.p99_ms:7.2f} ms  ops={r.ops}"
         + (f"  ERRORS={r.errors}" if r.errors else "")
     )
@@ -714,7 +725,7 @@ def measure_baseline(
     baseline: SqliteBaseline | PsycopgBaseline, args: argparse.Namespace
 ) -> list[Result]:
     results = []
-    for mode in MODES:
+    for mode in ("durable", "hits"):  # bare SQL has no transport to vary
         for clients in args.levels:
             latencies, errors = _baseline_threads(
                 baseline, mode, clients, args.warmup, args.seconds
@@ -763,6 +774,7 @@ def main(argv: list[str] | None = None) -> int:
 
     top = max(args.levels)
     durable, hits = pick("coordinator", "durable", top), pick("coordinator", "hits", top)
+    streamed = pick("coordinator", "durable-session", top)
     sqlite_durable = pick("bare-sqlite", "durable", top)
     ceiling = pick("grpc-noop", "hits", top)
     summary: dict[str, Any] = {
@@ -771,6 +783,8 @@ def main(argv: list[str] | None = None) -> int:
         "p99_ms_at_64": round(durable.p99_ms, 2),
         "p99_hits_ms_at_64": round(hits.p99_ms, 2),
         "ratio_to_sqlite_baseline": round(durable.per_s / max(sqlite_durable.per_s, 1e-9), 2),
+        "durable_grants_per_s_session": round(streamed.per_s),
+        "p99_session_ms_at_64": round(streamed.p99_ms, 2),
         "noop_grpc_calls_per_s": round(ceiling.per_s),
         "hits_ratio_to_noop_grpc": round(hits.per_s / max(ceiling.per_s, 1e-9), 2),
         "at_clients": top,
@@ -786,6 +800,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.postgres:
         bare = pick("bare-psycopg", "durable", top)
         summary["ratio_to_psycopg_baseline"] = round(durable.per_s / max(bare.per_s, 1e-9), 2)
+        summary["session_ratio_to_psycopg_baseline"] = round(
+            streamed.per_s / max(bare.per_s, 1e-9), 2
+        )
         on_sqlite = pick("coord-sqlite", "durable", top)
         summary["ratio_to_sqlite_coordinator"] = round(
             durable.per_s / max(on_sqlite.per_s, 1e-9), 2
