@@ -6,7 +6,7 @@ Usage:
 What runs:
 1. `rngcoord serve` (a subprocess; `--workers` processes, default: the number of cores) on a
    fresh SQLite store, or on a scratch PostgreSQL database with `--db postgresql://...`.
-2. Join storms from rngcoord.server.loadgen (simulated ranks: coroutines over `--channels`
+2. Join storms from bench/loadgen.py (simulated ranks: coroutines over `--channels`
    real gRPC connections): N ranks in one group plus N/8 groups of 8, every rank joining both,
    as the ranks of a dp x tp job join their root mesh and their tp sub-mesh. `join_s_N` is the
    time from the first JoinGroup to the last rank holding its epochs, for N = 10,000 and
@@ -72,8 +72,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from rngcoord.server.addresses import redact_url
-from rngcoord.server.loadgen import (
+from loadgen import (
     Rank,
     join_storm,
     join_storm_grouped,
@@ -82,6 +81,7 @@ from rngcoord.server.loadgen import (
     reconnect_storm,
     reserve_load,
 )
+from rngcoord.server.addresses import redact_url
 
 
 def log(message: str) -> None:

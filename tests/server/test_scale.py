@@ -1,6 +1,6 @@
 """The coordinator at the scale of real jobs, on real servers: simulated ranks over real gRPC.
 
-The ranks come from rngcoord.server.loadgen: coroutines in this process, many per channel, each
+The ranks come from bench/loadgen.py: coroutines in this process, many per channel, each
 channel its own TCP connection, against `rngcoord serve` subprocesses. Well past any pool size:
 a group of 1,000 ranks and 125 groups of 8 form at once (no thread is held by a waiting join,
 and gRPC's own queue of calls is not allowed to shed them), on SQLite with two worker
@@ -21,8 +21,8 @@ import grpc
 import pytest
 
 from harness import CoordinatorFactory, CoordinatorProcess, secret_for
+from loadgen import Rank, join_storm, open_channels, prepare, reconnect_storm
 from rngcoord.client import CoordinatorClient, StaleEpochError
-from rngcoord.server.loadgen import Rank, join_storm, open_channels, prepare, reconnect_storm
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc
 

@@ -3,8 +3,8 @@
 One process simulates thousands of ranks: each rank is a coroutine, and `channels` channels
 carry them (rank i uses channel i mod channels), as the ranks of many real processes would
 arrive. It speaks only the contract (rngcoord.v1), so it measures what a deployment serves.
-The scale tests and bench/scale.py drive it; an operator can point it at a coordinator to
-check a deployment before a large job.
+bench/scale.py and tests/server/test_scale.py drive it; it lives beside them, not in the
+server package, so the coordinator's image does not carry it.
 
 - `join_storm`: ranks join their groups at once; returns when every rank has its epoch (or
   failed), with the time from the first request to the last epoch held.
