@@ -62,14 +62,16 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/rngcoord demo
 
+# The whole suite on two processes (pytest-xdist; idle workers steal queued tests, so the long
+# waits of the outage and torchrun tests overlap other work). `make test XDIST=` runs it on one.
+XDIST ?= -n 2 --dist worksteal
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 # The fast tier: everything but the tests marked slow or e2e, on SQLite (the PostgreSQL cases
-# of the same tests run in `make test`), on two processes (pytest-xdist; idle workers steal
-# queued tests, so one long test at the end does not hold the other back); about a minute.
+# of the same tests run in `make test`), on two processes as `make test`; about a minute.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not e2e" -k "not postgresql" -n 2 --dist worksteal $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow and not e2e" -k "not postgresql" $(XDIST) $(PYTEST_ARGS)
 
 # TORCH_SUITE on another torch: `make test-torch TORCH_VERSION=2.15.0`.
 test-torch:

@@ -62,6 +62,18 @@ def gather(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def seed_apart(env: Env) -> None:
+    """Seed each rank's torch generator differently, as ranks of a real job may be.
+
+    The thread-ranks of one process share torch's CPU generator, so a rank's
+    ``torch.manual_seed`` must not land between another rank's setting of that generator
+    and its draw (a region holds the tracker's generator lock; user code does not). The
+    barrier keeps every rank's reseeding before any rank's next draw.
+    """
+    torch.manual_seed(env.rank)
+    dist.barrier()
+
+
 def cursors(tracker: Any) -> dict[str, int]:
     return {name: m.cursor for name, m in tracker.leases.items()}
 
@@ -241,7 +253,7 @@ def dtensor_init_helper_tensor_meta_strides(env: Env) -> None:
 
 
 def rng_tracker_init(env: Env) -> None:
-    torch.manual_seed(env.rank)  # the ranks' own generators differ, as in a real job
+    seed_apart(env)  # the ranks' own generators differ, as in a real job
     mesh = DeviceMesh("cpu", torch.arange(env.world))
     tracker = env.install(mesh)
     assert isinstance(random._rng_tracker, random.OffsetBasedRNGTracker)
@@ -323,7 +335,7 @@ def pipeline_parallel_manual_seed(env: Env) -> None:
 
 
 def deterministic_dropout_1d(env: Env) -> None:
-    torch.manual_seed(env.rank)
+    seed_apart(env)
     mesh = DeviceMesh("cpu", torch.arange(env.world))
     env.install(mesh)
     dtensor = distribute_tensor(torch.empty(4, 4), mesh, [Shard(1)])
@@ -343,7 +355,7 @@ def deterministic_rand_1d(env: Env) -> None:
         for other in range(env.world):
             if other != env.rank:
                 assert not torch.equal(gathered[env.rank], gathered[other]), (fn, other)
-        torch.manual_seed(env.rank)  # rngcoord needs no common torch seed for replicas
+        seed_apart(env)  # rngcoord needs no common torch seed for replicas
         gathered = gather(fn(size, device_mesh=mesh, placements=[Replicate()]).to_local())
         assert all(torch.equal(g, gathered[0]) for g in gathered), fn
 
