@@ -7,11 +7,14 @@ the writable primary. The storm of tests/server/storm.py runs while the whole pr
 SIGKILLed (postmaster and children, as a host crash) and the standby is promoted with
 ``pg_ctl promote``: with synchronous replication every lease a client was given before the
 kill reads back identically from the promoted store, no two grants overlap, the coordinators
-go on granting without a restart, and ``rngcoord verify`` passes.
+go on granting without a restart, and ``rngcoord verify`` passes. Each replica logs the
+primary's replication mode when it connects and again when a reconnect finds another mode;
+``--require-sync-replication`` refuses an asynchronous primary.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,7 +23,7 @@ import pytest
 from storm import Storm, check_agreement, check_read_back, check_verify
 
 import pg_clusters
-from harness import CoordinatorProcess
+from harness import CoordinatorProcess, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -65,4 +68,36 @@ def test_a_synchronous_standby_is_promoted_and_no_acknowledged_lease_is_lost(
     for replica in replicas:
         check_read_back(replica.address, chains)
     check_verify(db_url)
+    # Each replica logged the synchronous primary, then, after its writer reconnected, the
+    # promoted one, which has no standby of its own and so no longer replicates synchronously.
+    for replica in replicas:
+        assert [e["synchronous"] for e in _replication_events(replica)] == [True, False]
     print(f"promoted in {promoted:.2f} s; {sum(before.values())} leases before the kill")
+
+
+def _replication_events(replica: CoordinatorProcess) -> list[dict[str, object]]:
+    lines = replica.log_path.read_text().splitlines()
+    events = [json.loads(line) for line in lines if '"store_replication"' in line]
+    return [e["fields"] for e in events if e["event"] == "store_replication"]
+
+
+def test_serve_refuses_an_asynchronous_primary_when_sync_replication_is_required(
+    postgres_url_factory: Callable[[], str],
+    coordinator_factory: Callable[..., CoordinatorProcess],
+) -> None:
+    db_url = postgres_url_factory()  # the shared test server: no standby at all
+    # Without the flag the mode is a warning in the log, and serve runs.
+    replica = coordinator_factory(db_url)
+    (logged,) = _replication_events(replica)
+    assert logged["synchronous"] is False and logged["synchronous_standby_names"] == ""
+    assert "synchronous_standby_names is empty" in str(logged["description"])
+    done = run_cli(
+        "serve", "--db", db_url, "--listen", "127.0.0.1:0", "--metrics", "off",
+        "--require-sync-replication",
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "--require-sync-replication asks that it does" in done.stderr
+    assert "synchronous_standby_names is empty" in done.stderr
+    # An SQLite store has no standby: the flag is refused for it too.
+    sqlite = run_cli("serve", "--db", "sqlite:///unused.db", "--require-sync-replication")
+    assert sqlite.returncode == 2 and "needs a PostgreSQL store" in sqlite.stderr

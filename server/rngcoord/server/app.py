@@ -138,6 +138,11 @@ class ServerOptions:
             Default ().
         floor_from: audit exports (`rngcoord audit --json`) or `JOB GROUP OFFSET` files whose
             offsets new groups must start above (recovery after losing a store). Default ().
+        require_sync_replication: refuse a PostgreSQL primary that does not replicate
+            synchronously, at start and on every reconnect of the store's writer
+            (`--require-sync-replication`; rngcoord.server.replication). Default False: the
+            mode is logged, as a warning when acknowledged grants would not survive a
+            failover.
         max_connections: most client connections this process holds. Default None: the
             file-descriptor limit (raised to its hard maximum) less 256.
         handshake_timeout_s: how long a new connection may take to start HTTP/2. Default 10.
@@ -181,6 +186,7 @@ class ServerOptions:
     anchor_file: Path | None = None
     anchors: tuple[Path, ...] = ()
     floor_from: tuple[Path, ...] = ()
+    require_sync_replication: bool = False
     max_connections: int | None = None
     handshake_timeout_s: float = 10.0
     idle_timeout_s: float = 600.0
@@ -217,7 +223,11 @@ def open_for_serving(options: ServerOptions) -> tuple[Store, audit.Chain]:
     for path in options.floor_from:
         for where, floor in read_floors(path).items():
             floors[where] = max(floor, floors.get(where, 0))
-    store = open_store(options.db_url, create=options.init)
+    store = open_store(
+        options.db_url,
+        create=options.init,
+        require_sync_replication=options.require_sync_replication,
+    )
     try:
         now_us = time.time_ns() // 1000
         actor = f"rngcoord serve pid {os.getpid()}"

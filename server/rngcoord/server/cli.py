@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rngcoord.server.audit import KINDS, AuditRecord
+from rngcoord.server.replication import ReplicationRefused
 from rngcoord.server.store import Store, StoreNotFound, Tx
 
 DEFAULT_LISTEN = "0.0.0.0:29520"
@@ -56,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # `rngcoord audit | head` closed our stdout; that is not an error of ours.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (OSError, ValueError, StoreNotFound) as exc:
+    except (OSError, ValueError, StoreNotFound, ReplicationRefused) as exc:
         print(f"rngcoord {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
@@ -109,6 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="create the store (and the --audit-key file) when there is none; without it, a "
         "missing store is an error, so that no stream silently starts over at offset 0 "
         "(env RNGCOORD_INIT=1)",
+    )
+    serve.add_argument(
+        "--require-sync-replication",
+        action="store_true",
+        default=_env_flag(env, "RNGCOORD_REQUIRE_SYNC_REPLICATION"),
+        help="refuse a PostgreSQL primary that does not replicate synchronously "
+        "(synchronous_standby_names empty), at start and after every reconnect: with "
+        "asynchronous replication a promoted standby may lack acknowledged grants and grant "
+        "their offsets again (env RNGCOORD_REQUIRE_SYNC_REPLICATION=1; default: the mode is "
+        "only logged)",
     )
     serve.add_argument(
         "--audit-key",
@@ -475,6 +486,7 @@ def _serve(args: argparse.Namespace) -> int:
         anchor_file=args.anchor_file,
         anchors=tuple(args.anchor),
         floor_from=tuple(args.floor_from),
+        require_sync_replication=args.require_sync_replication,
         max_connections=args.max_connections,
         max_connections_per_host=args.max_connections_per_host,
         crowded_idle_timeout_s=args.crowded_idle_timeout,

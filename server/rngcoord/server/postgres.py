@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import random
 import threading
 import time
@@ -52,6 +53,9 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from rngcoord.server.errors import Unavailable
 from rngcoord.server.groupcommit import GroupCommitWriter
+from rngcoord.server.logs import event
+from rngcoord.server.replication import SQL as REPLICATION_SQL
+from rngcoord.server.replication import Replication, ReplicationRefused
 from rngcoord.server.store import (
     ReadAhead,
     StoreLost,
@@ -65,6 +69,8 @@ from rngcoord.server.store import (
 __all__ = ["ISOLATION_LEVELS", "PostgresStore", "PostgresTx", "convert_placeholders"]
 
 T = TypeVar("T")
+
+_log = logging.getLogger(__name__)
 
 ISOLATION_LEVELS: Final = ("read committed", "repeatable read", "serializable")
 """The values `PostgresStore(isolation=...)` accepts (None keeps the server's default)."""
@@ -338,6 +344,7 @@ class PostgresStore:
         max_attempts: int = 5,
         backoff_s: float = 0.02,
         connect_timeout_s: float = 10.0,
+        require_sync_replication: bool = False,
     ) -> None:
         if isolation is not None and isolation not in ISOLATION_LEVELS:
             raise ValueError(
@@ -354,6 +361,9 @@ class PostgresStore:
         self._connect_timeout_s = connect_timeout_s
         self._closed = False
         self._close_lock = threading.Lock()
+        self._require_sync = require_sync_replication
+        self.replication: Replication | None = None
+        """The primary's replication settings, read by the writer's latest connection."""
 
         self._conn: psycopg.Connection[Any] | None = None
         # Whether the next write attempt holds its writes back, whether the current one does,
@@ -426,11 +436,38 @@ class PostgresStore:
                 # §2.3), whatever the server's default says.
                 conn.execute("SET synchronous_commit TO on")
                 conn.execute(f"SET idle_in_transaction_session_timeout TO '{_WRITER_IDLE_TIMEOUT}'")
+                self._check_replication(conn)
             except BaseException:
                 conn.close()
                 raise
             self._conn = conn
         return conn
+
+    def _check_replication(self, conn: psycopg.Connection[Any]) -> None:
+        """Read the primary's replication settings (this connection may have found a new
+        primary), log them when they changed, and refuse an asynchronous primary when
+        synchronous replication is required."""
+        row = conn.execute(REPLICATION_SQL).fetchone()
+        assert row is not None
+        found = Replication(*(str(v) for v in row))
+        if found != self.replication:
+            self.replication = found
+            level = logging.INFO if found.synchronous else logging.WARNING
+            event(
+                _log,
+                level,
+                "store_replication",
+                description=found.describe(),
+                synchronous=found.synchronous,
+                synchronous_standby_names=found.standby_names,
+                synchronous_commit=found.synchronous_commit,
+                standbys=found.standbys,
+            )
+        if self._require_sync and not found.synchronous:
+            raise ReplicationRefused(
+                f"the primary of {self.url} does not replicate synchronously, and "
+                f"--require-sync-replication asks that it does: {found.describe()}"
+            )
 
     def _close_writer_connection(self) -> None:
         if self._conn is not None:

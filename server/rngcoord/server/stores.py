@@ -12,7 +12,7 @@ from rngcoord.server.store import Store
 __all__ = ["open_store"]
 
 
-def open_store(url: str, *, create: bool = False) -> Store:
+def open_store(url: str, *, create: bool = False, require_sync_replication: bool = False) -> Store:
     """Open the store a URL names, applying pending schema migrations.
 
     Args:
@@ -21,12 +21,20 @@ def open_store(url: str, *, create: bool = False) -> Store:
         create: create the store when there is none (`rngcoord serve --init`). Default False:
             a missing or empty store raises `StoreNotFound`, so that nothing silently starts
             over at offset 0.
+        require_sync_replication: refuse a PostgreSQL primary that does not replicate
+            synchronously (rngcoord.server.replication); an SQLite store has no replicas, so
+            it is refused too. Default False: the mode is only logged.
 
     Raises:
         ValueError: the URL names no supported backend.
         StoreNotFound: no store there, and `create` is False.
     """
     if url.startswith("sqlite:///"):
+        if require_sync_replication:
+            raise ValueError(
+                "--require-sync-replication needs a PostgreSQL store; an SQLite store has no "
+                "standby to replicate to"
+            )
         from rngcoord.server.sqlite import SqliteStore
 
         return SqliteStore(url.removeprefix("sqlite:///"), create=create)
@@ -34,7 +42,9 @@ def open_store(url: str, *, create: bool = False) -> Store:
         # Imported lazily: the SQLite-only deployment never needs psycopg.
         from rngcoord.server.postgres import PostgresStore
 
-        store: Store = PostgresStore(url, create=create)
+        store: Store = PostgresStore(
+            url, create=create, require_sync_replication=require_sync_replication
+        )
         return store
     raise ValueError(
         f"unsupported store URL {url!r}: use sqlite:///PATH or postgresql://USER@HOST/DB"
