@@ -2,6 +2,7 @@
 
 - `CoordinatorProcess`: a real `rngcoord serve` subprocess on 127.0.0.1 and an ephemeral port.
 - `run_cli(*args)`: runs `python -m rngcoord.server.cli ARGS` and returns the completed process.
+- `side_by_side(*calls)`: runs calls at once on threads, so that their waits overlap.
 - `join_all(stub, job, group, world_size)`: joins every rank of a group at once (a barrier).
 - `wait_for_group(stub, job, group)`: waits until a group exists (its first join is in flight).
 - `PostgresDatabases`: creates and drops scratch databases on the test PostgreSQL server
@@ -268,6 +269,19 @@ def run_cli(
         check=False,
         cwd=cwd,
     )
+
+
+def side_by_side(*calls: Callable[[], T]) -> list[T]:
+    """Run `calls` at once, each on a thread of its own, and return their results in order
+    (the first exception raised, once every call has ended).
+
+    For runs that mostly wait (torchrun jobs on rendezvous, peers and checkpoints, a
+    coordinator held down for an outage): side by side, their waits overlap other work.
+    """
+    with ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="side-by-side") as pool:
+        futures = [pool.submit(call) for call in calls]
+        concurrent.futures.wait(futures)
+    return [f.result() for f in futures]
 
 
 def join_all(

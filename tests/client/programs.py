@@ -52,6 +52,13 @@ class Job:
     ranks: int
     started: float = field(default_factory=time.monotonic)
 
+    def kill(self) -> None:
+        """Kill the ranks still running, and reap every rank."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
     def wait(self, timeout_s: float = LAUNCH_TIMEOUT_S) -> list[dict[str, Any]]:
         """Wait for every rank; on a failure or timeout kill the rest and raise with logs."""
         import torch
@@ -62,10 +69,7 @@ class Job:
             if failed or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        self.kill()
         if any(p.returncode != 0 for p in self.procs):
             output = "\n".join(
                 f"--- {log.name} (exit {p.returncode}) ---\n{log.read_text()[-6000:]}"

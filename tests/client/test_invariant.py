@@ -12,7 +12,7 @@ import pytest
 import torch
 from programs import run_threads, start_gloo
 
-from harness import run_cli
+from harness import run_cli, side_by_side
 from rngcoord.client import demo, portable
 
 pytestmark = pytest.mark.slow
@@ -32,20 +32,23 @@ def _group_seed() -> int:
 
 def test_same_values_on_every_mesh(coordinator: Any, tmp_path: Path) -> None:
     addr = coordinator.address
-    runs = {
-        "1 (threads)": run_threads(
-            "invariant_ops", 1, tmp_path / "a", addr=addr, job="m1", mesh=[1]
-        ),
-        "2x1 (gloo)": start_gloo(
-            "invariant_ops", 2, tmp_path / "b", addr=addr, job="m21", mesh=[2, 1]
-        ).wait(),
-        "2x2 (gloo)": start_gloo(
-            "invariant_ops", 4, tmp_path / "c", addr=addr, job="m22", mesh=[2, 2]
-        ).wait(),
-        "4 (threads)": run_threads(
-            "invariant_ops", 4, tmp_path / "d", addr=addr, job="m4", mesh=[4]
-        ),
-    }
+    # The gloo jobs start first and the thread-rank runs go on while they start up.
+    gloo21 = start_gloo("invariant_ops", 2, tmp_path / "b", addr=addr, job="m21", mesh=[2, 1])
+    gloo22 = start_gloo("invariant_ops", 4, tmp_path / "c", addr=addr, job="m22", mesh=[2, 2])
+    try:
+        runs = {
+            "1 (threads)": run_threads(
+                "invariant_ops", 1, tmp_path / "a", addr=addr, job="m1", mesh=[1]
+            ),
+            "4 (threads)": run_threads(
+                "invariant_ops", 4, tmp_path / "d", addr=addr, job="m4", mesh=[4]
+            ),
+            "2x1 (gloo)": gloo21.wait(),
+            "2x2 (gloo)": gloo22.wait(),
+        }
+    finally:
+        gloo21.kill()
+        gloo22.kill()
     reference = runs["1 (threads)"][0]
     ops = [k for k in reference if k != "groups"]
     assert len(ops) == 32
@@ -98,13 +101,17 @@ def test_resize_from_4_ranks_to_2_with_resume_is_bitwise(coordinator: Any, tmp_p
     checkpoint; 2 ranks resume the same job from that checkpoint and run steps 4-6. Their
     dropout masks equal an uninterrupted 4-rank run's, bitwise."""
     spec: dict[str, Any] = {"seed": SEED, "checkpoint_every": 1, "policy": "sharding_invariant"}
-    reference = demo.run_job(
-        demo.JobSpec("inv-reference", 4, 6, **spec), coordinator.address, tmp_path / "ref"
+    # The reference and the first half run side by side, so that each one's waits
+    # (rendezvous, peers, checkpoints) overlap the other's work.
+    reference, first = side_by_side(
+        lambda: demo.run_job(
+            demo.JobSpec("inv-reference", 4, 6, **spec), coordinator.address, tmp_path / "ref"
+        ),
+        lambda: demo.run_job(
+            demo.JobSpec("inv-resize", 4, 3, **spec), coordinator.address, tmp_path / "resize"
+        ),
     )
     assert reference.returncode == 0, reference.log_tail()
-    first = demo.run_job(
-        demo.JobSpec("inv-resize", 4, 3, **spec), coordinator.address, tmp_path / "resize"
-    )
     assert first.returncode == 0, first.log_tail()
     resized = demo.run_job(
         demo.JobSpec("inv-resize", 2, 6, resume=True, **spec),

@@ -3,8 +3,8 @@
 examples/train_tp.py runs as 4 gloo ranks on CPU under torchrun (c10d rendezvous,
 --max-restarts=1) against a real coordinator subprocess, launched and checked through the
 functions that `rngcoord demo` uses (rngcoord.client.demo), so the demo and this test exercise
-one flow. A reference job runs uninterrupted; a second job with the same root seed crashes a
-rank mid-run, and torchelastic restarts it with --resume.
+one flow. A reference job runs uninterrupted; beside it, a second job with the same root seed
+crashes a rank mid-run, and torchelastic restarts it with --resume.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import CoordinatorProcess, run_cli
+from harness import CoordinatorProcess, run_cli, side_by_side
 from rngcoord.client import demo
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -28,26 +28,30 @@ def test_restart_fences_the_old_epoch_and_resume_is_bitwise(
 ) -> None:
     fail_rank, fail_at_step, every = demo.plan(WORKERS, STEPS)
     checkpoint_step = demo.last_checkpoint_before(fail_at_step, every)
-    reference = demo.run_job(
-        demo.JobSpec("e2e-reference", WORKERS, STEPS, seed=SEED, checkpoint_every=every),
-        coordinator.address,
-        tmp_path / "reference",
+    # The two jobs run side by side: torchelastic's restart of the failed one waits, and the
+    # reference's work fills that wait. Their groups are their jobs' own.
+    reference, resumed = side_by_side(
+        lambda: demo.run_job(
+            demo.JobSpec("e2e-reference", WORKERS, STEPS, seed=SEED, checkpoint_every=every),
+            coordinator.address,
+            tmp_path / "reference",
+        ),
+        lambda: demo.run_job(
+            demo.JobSpec(
+                "e2e-resume",
+                WORKERS,
+                STEPS,
+                seed=SEED,
+                fail_at_step=fail_at_step,
+                fail_rank=fail_rank,
+                resume=True,
+                checkpoint_every=every,
+            ),
+            coordinator.address,
+            tmp_path / "resumed",
+        ),
     )
     assert reference.returncode == 0, reference.log_tail()
-    resumed = demo.run_job(
-        demo.JobSpec(
-            "e2e-resume",
-            WORKERS,
-            STEPS,
-            seed=SEED,
-            fail_at_step=fail_at_step,
-            fail_rank=fail_rank,
-            resume=True,
-            checkpoint_every=every,
-        ),
-        coordinator.address,
-        tmp_path / "resumed",
-    )
     assert resumed.returncode == 0, resumed.log_tail()
     first, second = demo.members(resumed.records, 0), demo.members(resumed.records, 1)
     assert [m.rank for m in first] == [m.rank for m in second] == list(range(WORKERS))

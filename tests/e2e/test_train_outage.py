@@ -3,7 +3,8 @@
 
 examples/train_tp.py runs as 2 gloo ranks under torchrun (through rngcoord.client.demo, as
 the elastic test does). After step 21 the coordinator is SIGKILLed, and restarted on the same
-store 20 s (or 90 s) later. The run completes, its dropout masks and losses equal a reference
+store 20 s (or 90 s) later. The reference run, on a coordinator of its own, runs meanwhile.
+The run completes, its dropout masks and losses equal a reference
 run's with the same root seed bit for bit, rank 0 logged the outage once and its end once,
 and `rngcoord verify` finds the audit chain intact and no grant reused.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import CoordinatorProcess, run_cli
+from harness import CoordinatorFactory, run_cli
 from rngcoord.client import demo
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -27,14 +28,24 @@ SEED = 0x0_7A6E
 
 
 def _run_through_outage(
-    coordinator: CoordinatorProcess, tmp_path: Path, outage_s: float
+    coordinator_factory: CoordinatorFactory, tmp_path: Path, outage_s: float
 ) -> demo.JobRun:
-    reference = demo.run_job(
-        demo.JobSpec("outage-reference", WORKERS, STEPS, seed=SEED, checkpoint_every=STEPS),
-        coordinator.address,
-        tmp_path / "reference",
+    coordinator, other = coordinator_factory(), coordinator_factory()
+    # The reference runs on a coordinator of its own, beside the outage run, so that its work
+    # overlaps the outage's wait: a group's seed comes from the root seed and the group's name
+    # (not the job or the store), and each fresh store starts every stream at offset 0, so the
+    # two coordinators hand the two jobs the same streams.
+    references: list[demo.JobRun] = []
+    reference_job = threading.Thread(
+        target=lambda: references.append(
+            demo.run_job(
+                demo.JobSpec("outage-reference", WORKERS, STEPS, seed=SEED, checkpoint_every=STEPS),
+                other.address,
+                tmp_path / "reference",
+            )
+        )
     )
-    assert reference.returncode == 0, reference.log_tail()
+    reference_job.start()
     spec = demo.JobSpec(
         f"outage-{outage_s:g}s",
         WORKERS,
@@ -58,6 +69,9 @@ def _run_through_outage(
     time.sleep(outage_s)
     coordinator.restart()
     job.join()
+    reference_job.join()
+    (reference,) = references
+    assert reference.returncode == 0, reference.log_tail()
     (run,) = done
     assert run.returncode == 0, run.log_tail()
     # The run was still going when the coordinator came back: the outage was mid-run.
@@ -77,15 +91,15 @@ def _run_through_outage(
 
 @pytest.mark.timeout(400)
 def test_a_20_s_outage_mid_run_costs_nothing(
-    coordinator: CoordinatorProcess, tmp_path: Path
+    coordinator_factory: CoordinatorFactory, tmp_path: Path
 ) -> None:
-    _run_through_outage(coordinator, tmp_path, 20.0)
+    _run_through_outage(coordinator_factory, tmp_path, 20.0)
 
 
 @pytest.mark.timeout(500)
 def test_a_90_s_outage_mid_run_is_waited_out(
-    coordinator: CoordinatorProcess, tmp_path: Path
+    coordinator_factory: CoordinatorFactory, tmp_path: Path
 ) -> None:
-    run = _run_through_outage(coordinator, tmp_path, 90.0)
+    run = _run_through_outage(coordinator_factory, tmp_path, 90.0)
     # 120 steps of 0.25 s take 30 s: the ops waited for the coordinator.
     assert run.seconds > 90
