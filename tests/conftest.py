@@ -133,6 +133,38 @@ def coordinator(coordinator_factory: CoordinatorFactory) -> CoordinatorProcess:
     return coordinator_factory()
 
 
+# ---------------------------------------------------------------------- the longest first
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Start the end-to-end runs (the suite's longest: 40 to 110 s each, mostly waiting on
+    torchrun and on outages held on purpose) first, alternately at the head of each half of
+    the list, the longest allowed (their timeout) first.
+
+    `make test` runs two workers with `--dist worksteal`, which hands each worker one half of
+    the list and lets an idle one steal from the other's tail. In collection order tests/e2e
+    sat near the middle, at the tail of the first half, so the 90 s outage run began last and
+    ran alone for its last two minutes. Every worker collects the same order (xdist requires
+    it); the order changes nothing else, since every test stands alone.
+    """
+    e2e = [item for item in items if item.get_closest_marker("e2e") is not None]
+    if not e2e or len(e2e) == len(items):
+        return
+    # Longest allowed first (the timeout marker), so the two outage runs start one per worker.
+    e2e.sort(key=lambda item: -_timeout_s(item, config))
+    rest = [item for item in items if item.get_closest_marker("e2e") is None]
+    first, second = e2e[0::2], e2e[1::2]
+    split = max(0, len(items) // 2 - len(first))
+    items[:] = [*first, *rest[:split], *second, *rest[split:]]
+
+
+def _timeout_s(item: pytest.Item, config: pytest.Config) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    return float(config.getini("timeout") or 0)
+
+
 # ---------------------------------------------------------------------- no token in any log
 
 
