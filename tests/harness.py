@@ -484,6 +484,9 @@ class CountingStore:
     def check_identity(self) -> None:
         self.inner.check_identity()
 
+    def saw_head(self, record_id: int, record_hash: str) -> None:
+        self.inner.saw_head(record_id, record_hash)
+
     def is_unavailable(self, exc: BaseException) -> bool:
         return self.inner.is_unavailable(exc)
 

@@ -76,7 +76,12 @@ class Cluster:
         return int((self.data / "postmaster.pid").read_text().split()[0])
 
     def execute(self, sql: str) -> list[tuple[object, ...]]:
-        with psycopg.connect(self.url, autocommit=True, connect_timeout=5) as conn:
+        return self.execute_in("postgres", sql)
+
+    def execute_in(self, database: str, sql: str) -> list[tuple[object, ...]]:
+        """Run `sql` in `database` of this cluster; its rows (none for a statement)."""
+        url = self.url.rsplit("/", 1)[0] + f"/{database}"
+        with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
             cur = conn.execute(sql)
             return cur.fetchall() if cur.description else []
 
@@ -157,6 +162,22 @@ class PostgresPair:
                 return
             time.sleep(0.1)
         raise AssertionError(f"the standby did not start streaming in {timeout_s} s")
+
+    def cut_standby(self, timeout_s: float = 30) -> None:
+        """Stop the standby's WAL receiver, as a standby that falls behind would: commits the
+        primary acknowledges from now on never reach it. (Pausing replay is not enough: a
+        paused standby still receives the WAL and replays it when promoted.)"""
+        auto = self.standby.data / "postgresql.auto.conf"
+        # pg_basebackup -R wrote primary_conninfo there; an empty one stops the receiver on
+        # a reload (PostgreSQL 13 and later).
+        lines = auto.read_text().splitlines()
+        lines = [line for line in lines if not line.startswith("primary_conninfo")]
+        auto.write_text("\n".join([*lines, "primary_conninfo = ''"]) + "\n")
+        self._run("pg_ctl", "reload", "-D", str(self.standby.data))
+        deadline = time.monotonic() + timeout_s
+        while self.primary.execute("SELECT state FROM pg_stat_replication"):
+            assert time.monotonic() < deadline, "the standby's WAL receiver did not stop"
+            time.sleep(0.05)
 
     def kill_primary(self) -> None:
         """SIGKILL the primary's postmaster and every child at once, as a host crash would."""

@@ -19,11 +19,16 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
-from storm import Storm, check_agreement, check_read_back, check_verify
+from replica_client import FINGERPRINT, lease_size
+from storm import JOB, Storm, check_agreement, check_read_back, check_verify
 
 import pg_clusters
 from harness import CoordinatorProcess, run_cli
+from rngcoord.server.errors import Unavailable
+from rngcoord.server.postgres import PostgresStore
+from rngcoord.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +80,72 @@ def test_a_synchronous_standby_is_promoted_and_no_acknowledged_lease_is_lost(
     print(f"promoted in {promoted:.2f} s; {sum(before.values())} leases before the kill")
 
 
+def test_a_standby_that_lost_acknowledged_grants_is_refused_never_served(
+    pg_pair: Callable[..., pg_clusters.PostgresPair],
+    coordinator_factory: Callable[..., CoordinatorProcess],
+    tmp_path: Path,
+) -> None:
+    """Asynchronous replication, and a standby cut off from the primary's WAL while grants go
+    on being acknowledged: promoted, it lacks them. Every replica notices that the store went
+    back in time (the audit record it saw committed is gone) before it grants from it, and
+    refuses every call: no grant after the failover overlaps one acknowledged before it, and
+    no lost lease is answered as existing."""
+    pair = pg_pair(synchronous=False)
+    pair.create_database("rngcoord")
+    db_url = pair.database_url("rngcoord")
+    replicas = [coordinator_factory(db_url), coordinator_factory(db_url)]
+    with Storm(replicas, tmp_path) as storm:
+        storm.wait_for_progress({})
+        pair.cut_standby()
+        # Every member gets more leases, acknowledged by the primary alone: the lost tail.
+        storm.wait_for_progress(storm.lease_counts())
+        pair.kill_primary()
+        pair.promote()
+        deadline = time.monotonic() + 30
+        while any(_health(r) == "SERVING" for r in replicas):
+            assert time.monotonic() < deadline, [_health(r) for r in replicas]
+            time.sleep(0.1)
+        records = storm.finish(clean=False)
+    # The promoted store lost leases that clients hold: the fault happened.
+    acknowledged = {(r["group"], r["epoch"], r["seq"]) for r in records}
+    kept = {
+        (str(group), int(str(epoch)), int(str(seq)))
+        for group, epoch, seq in pair.standby.execute_in(
+            "rngcoord", "SELECT grp, epoch, seq FROM leases"
+        )
+    }
+    lost = acknowledged - kept
+    assert lost, "the promoted standby holds every acknowledged lease: no tail was lost"
+    assert acknowledged & kept, "the promoted standby holds none of the leases: no head either"
+    # Nothing granted after the failover overlaps what was acknowledged before it: the leases
+    # of each group form one chain, both ranks agreeing on every seq.
+    check_agreement(records, one_grant_each=False)
+    for replica in replicas:
+        assert replica.popen is not None and replica.popen.poll() is None, "a replica exited"
+        (lost_event,) = [e for e in replica.log_events() if e["event"] == "store_lost"]
+        assert "went back in time" in lost_event["fields"]["reason"]
+        # A lost lease is refused, not answered as existing from the grant memory.
+        group, epoch, seq = sorted(lost)[-1]
+        with pytest.raises(grpc.RpcError) as refused:
+            replica.stub().Reserve(
+                pb.ReserveRequest(
+                    job=JOB, group=group, epoch=epoch, seq=seq, size=lease_size(seq),
+                    fingerprint=FINGERPRINT,
+                ),
+                timeout=10,
+            )  # fmt: skip
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "went back in time" in str(refused.value.details())
+    print(f"{len(lost)} acknowledged leases lost by the promotion; both replicas refused")
+
+
+def _health(replica: CoordinatorProcess) -> str:
+    try:
+        return replica.health()
+    except grpc.RpcError as exc:
+        return f"unreachable ({exc.code()})"
+
+
 def _replication_events(replica: CoordinatorProcess) -> list[dict[str, object]]:
     lines = replica.log_path.read_text().splitlines()
     events = [json.loads(line) for line in lines if '"store_replication"' in line]
@@ -101,3 +172,27 @@ def test_serve_refuses_an_asynchronous_primary_when_sync_replication_is_required
     # An SQLite store has no standby: the flag is refused for it too.
     sqlite = run_cli("serve", "--db", "sqlite:///unused.db", "--require-sync-replication")
     assert sqlite.returncode == 2 and "needs a PostgreSQL store" in sqlite.stderr
+
+
+def test_a_write_with_no_primary_left_names_the_lost_connection(
+    pg_pair: Callable[..., pg_clusters.PostgresPair],
+) -> None:
+    """The primary dies and nothing is promoted: writes fail as the database being
+    unreachable, never as conflicting writes, and the store writes again once a primary
+    answers."""
+    pair = pg_pair(synchronous=False)
+    pair.create_database("rngcoord")
+    store = PostgresStore(
+        pair.database_url("rngcoord"), create=True, max_attempts=2, connect_timeout_s=2
+    )
+    try:
+        assert store.write(lambda tx: tx.fetchone("SELECT 1")) == (1,)
+        pair.kill_primary()
+        with pytest.raises(Unavailable) as failed:
+            store.write(lambda tx: tx.fetchone("SELECT 1"))
+        assert "failed 2 times on a lost database connection" in failed.value.message
+        assert "conflicting writes" not in failed.value.message
+        pair.promote()
+        assert store.write(lambda tx: tx.fetchone("SELECT 1")) == (1,)
+    finally:
+        store.close()

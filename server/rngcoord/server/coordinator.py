@@ -198,6 +198,8 @@ class Coordinator:
         if record_id > self._head[0]:
             self._head = (record_id, record_hash)
             self._anchor = ""
+            # What the feed saw committed, by any replica, the store must go on holding.
+            self._store.saw_head(record_id, record_hash)
 
     @property
     def head(self) -> tuple[int, str]:

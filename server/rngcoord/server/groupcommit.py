@@ -138,6 +138,9 @@ class GroupCommitWriter:
             must tolerate a broken connection or no open transaction without raising.
         is_retryable: True for an exception after which the whole batch should run again
             (serialization failure, deadlock, a busy lock). Default: nothing is retryable.
+        retry_reason: what a retryable exception means, for the error once the attempts are
+            spent ("conflicting writes", "a lost database connection"). Default: "conflicting
+            writes".
         is_unavailable: True for an exception raised inside an operation that means the
             database cannot serve (disk full, I/O error, connection lost): the whole batch
             gets `Unavailable`, as for a failed commit. Default: none does.
@@ -160,6 +163,7 @@ class GroupCommitWriter:
         commit: Callable[[], None],
         rollback: Callable[[], None],
         is_retryable: Callable[[BaseException], bool] = lambda exc: False,
+        retry_reason: Callable[[BaseException], str] = lambda exc: "conflicting writes",
         is_unavailable: Callable[[BaseException], bool] = lambda exc: False,
         rerun: Callable[[BaseException], bool] = lambda exc: False,
         name: str = "rngcoord-writer",
@@ -173,6 +177,7 @@ class GroupCommitWriter:
         self._commit = commit
         self._rollback = rollback
         self._is_retryable = is_retryable
+        self._retry_reason = retry_reason
         self._is_unavailable = is_unavailable
         self._rerun = rerun
         self._max_batch = max_batch
@@ -312,8 +317,8 @@ class GroupCommitWriter:
                     continue
                 if self._is_retryable(failure.cause):
                     message = (
-                        f"store {failure.phase} failed {attempt} times on conflicting writes, "
-                        f"giving up: {failure.cause}"
+                        f"store {failure.phase} failed {attempt} times on "
+                        f"{self._retry_reason(failure.cause)}, giving up: {failure.cause}"
                     )
                 else:
                     message = f"store {failure.phase} failed: {failure.cause}"

@@ -57,12 +57,14 @@ from rngcoord.server.logs import event
 from rngcoord.server.replication import SQL as REPLICATION_SQL
 from rngcoord.server.replication import Replication, ReplicationRefused
 from rngcoord.server.store import (
+    KnownHead,
     ReadAhead,
     StoreLost,
     StoreNotFound,
     Tx,
     WriteProblem,
     apply_migrations,
+    check_head,
     read_store_id,
 )
 
@@ -79,12 +81,14 @@ MIGRATION_LOCK_KEY: Final = 0x726E67636F6F7264
 """The advisory-lock key ("rngcoord" in ASCII) that orders concurrent migrations."""
 
 _LOCK_HEAD = (
-    "SELECT m.value, h.last_id, h.last_hash FROM audit_head h, meta m "
-    "WHERE h.id = 1 AND m.name = 'store_id' FOR UPDATE OF h"
+    "SELECT m.value, h.last_id, h.last_hash, (SELECT a.hash FROM audit a WHERE a.id = %s) "
+    "FROM audit_head h, meta m WHERE h.id = 1 AND m.name = 'store_id' FOR UPDATE OF h"
 )
-"""Locks the chain's head for the transaction, and reads the store id and the head in the same
-round trip: a write never lands in a store that replaced this one under the server, and the
-batch's records chain on from the head without reading it again."""
+"""Locks the chain's head for the transaction, and reads the store id, the head and the hash
+of the newest record this process knows was committed (`KnownHead`) in the same round trip: a
+write never lands in a store that replaced this one under the server, or in one that went back
+in time (a failover that lost commits), and the batch's records chain on from the head without
+reading it again."""
 
 CHANGES_CHANNEL: Final = "rngcoord_changes"
 """Every write transaction sends a NOTIFY on this channel, delivered when it commits: the
@@ -274,6 +278,20 @@ def _is_retryable(exc: BaseException) -> bool:
     return state in _RETRY_SQLSTATES or state.startswith("08")
 
 
+def _retry_reason(exc: BaseException) -> str:
+    """What a retryable error (`_is_retryable`) means, for the error once retries are spent:
+    a lost connection is not a conflict, and an operator reading the log must tell them
+    apart."""
+    state = exc.sqlstate if isinstance(exc, psycopg.Error) else None
+    if state is None or state.startswith("08"):
+        return "a lost database connection (the server is down, restarting or failing over)"
+    if state.startswith("57P"):
+        return "the database server shutting down or restarting"
+    if state == "25P03":
+        return "the session's idle-in-transaction timeout"
+    return "conflicting writes"
+
+
 def _parse(url: str) -> dict[str, Any]:
     """The connection parameters of a libpq URL.
 
@@ -362,6 +380,7 @@ class PostgresStore:
         self._closed = False
         self._close_lock = threading.Lock()
         self._require_sync = require_sync_replication
+        self._known = KnownHead(self.url)
         self.replication: Replication | None = None
         """The primary's replication settings, read by the writer's latest connection."""
 
@@ -403,6 +422,7 @@ class PostgresStore:
             commit=self._commit,
             rollback=self._rollback,
             is_retryable=_is_retryable,
+            retry_reason=_retry_reason,
             rerun=self._rerun,
             is_unavailable=self.is_unavailable,
             name="rngcoord-postgres-writer",
@@ -509,9 +529,10 @@ class PostgresStore:
         self._attempt_deferred = self._deferred
         conn = self._writer_connection()
         binder = psycopg.ClientCursor(conn)
+        known = self._known.head
         try:
             # BEGIN and the lock in one round trip.
-            binder.execute(f"{self._begin_sql}; {_LOCK_HEAD}")
+            binder.execute(f"{self._begin_sql}; {_LOCK_HEAD}", (known[0],))
             binder.nextset()
             row = binder.fetchone()
         except psycopg.errors.UndefinedTable as exc:
@@ -519,7 +540,11 @@ class PostgresStore:
         if row is None or row[0] != self.store_id:
             found = "none" if row is None else row[0]
             raise StoreLost(f"the database {self.url} now holds another store ({found})")
-        self._tx = PostgresTx(conn, deferred=self._deferred, head=(int(row[1]), str(row[2])))
+        head = (int(row[1]), str(row[2]))
+        self._known.check(head[0], None if row[3] is None else str(row[3]), known)
+        if self._reads_acknowledged():
+            self._known.saw(*head)
+        self._tx = PostgresTx(conn, deferred=self._deferred, head=head)
         return self._tx
 
     def _rerun(self, exc: BaseException) -> bool:
@@ -550,6 +575,8 @@ class PostgresStore:
                     f"or may not have committed; retry the request ({exc})"
                 ) from exc
             raise
+        if tx.head is not None:
+            self._known.saw(*tx.head)
 
     def _rollback(self) -> None:
         # The next attempt sends each write as it comes, so that a rerun gets each error where
@@ -671,13 +698,41 @@ class PostgresStore:
         )
 
     def check_identity(self) -> None:
-        """Raise `StoreLost` unless the database still holds this store (its schema and id)."""
+        """Raise `StoreLost` unless the database still holds this store (its schema and id),
+        and `StoreRewound` unless it still holds the newest audit head this process saw."""
+
+        def check(tx: Tx) -> str:
+            found = read_store_id(tx)
+            if found == self.store_id:
+                check_head(tx, self._known, advance=self._reads_acknowledged())
+            return found
+
         try:
-            found = self.read(read_store_id)
+            found = self.read(check)
         except psycopg.errors.UndefinedTable as exc:
             raise StoreLost(f"rngcoord's tables are gone from {self.url}: {exc}") from exc
         if found != self.store_id:
             raise StoreLost(f"the database {self.url} now holds another store ({found})")
+
+    def saw_head(self, record_id: int, record_hash: str) -> None:
+        """See `Store.saw_head`; ignored under synchronous replication (`_reads_acknowledged`)."""
+        if self._reads_acknowledged():
+            self._known.saw(record_id, record_hash)
+
+    def _reads_acknowledged(self) -> bool:
+        """Whether a record this process reads, rather than commits, was acknowledged, so that
+        a store without it went back in time (`KnownHead`).
+
+        Not under synchronous replication: PostgreSQL makes a commit visible on the primary
+        before the standby has it, while its committer still waits for the standby, and a
+        primary that dies then leaves a promoted standby without a record that other sessions
+        read but nobody acknowledged (tests/server/test_failover.py met it: the feed read record
+        70, the promoted standby ended at 69). There this process knows a head from its own
+        acknowledged commits, each of which the standby flushed with everything before it.
+        Asynchronously, a visible commit has been, or is about to be, acknowledged.
+        """
+        replication = self.replication
+        return replication is None or not replication.synchronous
 
     # ------------------------------------------------------------------------ changes
 

@@ -22,12 +22,14 @@ from typing import Any, TypeVar
 from rngcoord.server.errors import Unavailable
 from rngcoord.server.groupcommit import GroupCommitWriter
 from rngcoord.server.store import (
+    KnownHead,
     ReadAhead,
     StoreLost,
     StoreNotFound,
     Tx,
     WriteProblem,
     apply_migrations,
+    check_head,
     read_store_id,
 )
 
@@ -116,6 +118,7 @@ class SqliteStore:
     ):
         self.path = Path(path).absolute()
         self.location = str(self.path)
+        self._known = KnownHead(self.location)
         if not create and not _has_schema(self.path):
             raise StoreNotFound(
                 f"no rngcoord store at {self.path}: create one with `rngcoord serve --init` "
@@ -137,6 +140,7 @@ class SqliteStore:
             commit=self._commit,
             rollback=self._rollback,
             is_retryable=_is_busy,
+            retry_reason=lambda exc: "a database locked by another process",
             is_unavailable=self.is_unavailable,
             name=f"rngcoord-sqlite-writer:{self.path.name}",
             max_batch=max_batch,
@@ -191,13 +195,28 @@ class SqliteStore:
             raise StoreLost(f"the store file {self.path} was replaced by another file")
 
     def check_identity(self) -> None:
-        """Raise `StoreLost` unless `path` is still the file opened, with the same store id."""
+        """Raise `StoreLost` unless `path` is still the file opened, with the same store id,
+        and `StoreRewound` unless it still holds the newest audit head this process saw (an
+        older copy written over the file in place keeps its inode)."""
         self._check_file()
-        if self.read(read_store_id) != self.store_id:
+
+        def check(tx: Tx) -> str:
+            found = read_store_id(tx)
+            if found == self.store_id:
+                check_head(tx, self._known)
+            return found
+
+        if self.read(check) != self.store_id:
             raise StoreLost(f"the store at {self.path} now has another store id")
+
+    def saw_head(self, record_id: int, record_hash: str) -> None:
+        """See `Store.saw_head`."""
+        self._known.saw(record_id, record_hash)
 
     def _commit(self) -> None:
         self._conn.execute("COMMIT")
+        if self._tx.head is not None:
+            self._known.saw(*self._tx.head)
 
     def _rollback(self) -> None:
         try:

@@ -24,13 +24,16 @@ from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 __all__ = [
     "BIAS",
+    "KnownHead",
     "ReadAhead",
     "RowReader",
     "Store",
     "StoreLost",
     "StoreNotFound",
+    "StoreRewound",
     "Tx",
     "apply_migrations",
+    "check_head",
     "from_db",
     "row_reader",
     "split_sql",
@@ -62,6 +65,71 @@ class StoreRolledBack(StoreNotFound):
 class StoreLost(RuntimeError):
     """The store a server opened is gone or was replaced under it (its file unlinked or
     swapped, its schema dropped, another store's id in its place)."""
+
+
+class StoreRewound(StoreLost):
+    """The store a running server writes to no longer holds an audit record that the server
+    saw committed: the database failed over to a standby that had not received it
+    (asynchronous replication), or an older copy was put back in place. Grants acknowledged
+    with those records may be gone, and serving on could grant their offsets again
+    (docs/design.md §11.6)."""
+
+
+class KnownHead:
+    """The newest audit chain head (record id, hash) that this process saw committed in a
+    store, and the check that the store still holds it.
+
+    An append-only chain never loses a record, and its records never change: a store whose
+    chain ends before the known head, or whose record at the known head's id has another
+    hash, went back in time under the server, whatever its store id says. This process's
+    acknowledged commits move the known head forward, and so do the heads it reads (its write
+    transactions' head lock, and the change feed, which sees every replica's commits) where a
+    record read was acknowledged: not so under synchronous replication (`PostgresStore`).
+
+    Args:
+        location: where the store is, for the error message.
+    """
+
+    def __init__(self, location: str) -> None:
+        self._location = location
+        self._head: tuple[int, str] = (0, "")
+
+    @property
+    def head(self) -> tuple[int, str]:
+        """(record id, hash) of the newest head seen; (0, "") before any."""
+        return self._head
+
+    def saw(self, record_id: int, record_hash: str) -> None:
+        """The store committed the chain up to `record_id`, whose hash is `record_hash`."""
+        # One tuple assignment: readers on other threads see the old head or the new one.
+        if record_id > self._head[0]:
+            self._head = (record_id, record_hash)
+
+    def check(self, last_id: int, hash_at_known: str | None, known: tuple[int, str]) -> None:
+        """Raise `StoreRewound` unless the store still holds `known`, the head this process
+        knew when it read the store.
+
+        Args:
+            last_id: the id of the store's chain head now.
+            hash_at_known: the hash of the store's record with the id of `known`, or None
+                where it has none.
+            known: `head` as it was when the store was read.
+        """
+        known_id, known_hash = known
+        if known_id == 0 or (last_id >= known_id and hash_at_known == known_hash):
+            return
+        if hash_at_known is None:
+            where = f"its audit chain now ends at record {last_id}"
+        else:
+            where = f"its record {known_id} now has another hash ({hash_at_known[:12]}...)"
+        raise StoreRewound(
+            f"the store at {self._location} went back in time: this server saw audit record "
+            f"{known_id} (hash {known_hash[:12]}...) committed, and {where}. A database "
+            "failover to a standby that had not received every commit (asynchronous "
+            "replication) loses acknowledged grants; serving on could grant their offsets "
+            "again, so this server refuses every call. Run the database with synchronous "
+            "replication (docs/operations.md), and see docs/design.md §11.6 for what to do now"
+        )
 
 
 def to_db(value: int) -> int:
@@ -173,7 +241,14 @@ class Store(Protocol):
         ...
 
     def check_identity(self) -> None:
-        """Raise `StoreLost` unless the store is still the one that was opened."""
+        """Raise `StoreLost` unless the store is still the one that was opened, and
+        `StoreRewound` when it no longer holds the newest audit head this process saw."""
+        ...
+
+    def saw_head(self, record_id: int, record_hash: str) -> None:
+        """The store committed the audit chain up to `record_id` (seen by the change feed,
+        which follows every replica's commits): from now on, a store without that record is
+        one that went back in time (`KnownHead`)."""
         ...
 
     def read(self, fn: Callable[[Tx], T]) -> T:
@@ -284,6 +359,26 @@ def _migration_files(folder: str) -> list[tuple[int, str, str]]:
             f"found {versions}"
         )
     return found
+
+
+HEAD_CHECK_SQL = (
+    "SELECT h.last_id, h.last_hash, (SELECT a.hash FROM audit a WHERE a.id = ?) "
+    "FROM audit_head h WHERE h.id = 1"
+)
+"""The chain's head, and the hash of the record with a given id (`KnownHead.check`)."""
+
+
+def check_head(tx: Tx, known: KnownHead, *, advance: bool = True) -> None:
+    """Raise `StoreRewound` unless the store read by `tx` still holds `known`'s head; then,
+    with `advance`, move `known` to the store's head (see `PostgresStore` for when a head that
+    was read is not yet known to last)."""
+    head = known.head
+    row = tx.fetchone(HEAD_CHECK_SQL, (head[0],))
+    if row is None:
+        raise StoreLost("the store has no audit_head row: its tables were emptied")
+    known.check(int(row[0]), None if row[2] is None else str(row[2]), head)
+    if advance:
+        known.saw(int(row[0]), str(row[1]))
 
 
 def read_store_id(tx: Tx) -> str:
