@@ -34,6 +34,7 @@ from harness import (
 )
 from rngcoord.server.membership import Caller
 from rngcoord.server.sqlite import SqliteStore
+from rngcoord.server.verify import UNANCHORED_NOTE
 
 JOB = "cli-job"
 ACTOR = "trainer-identity: rank 0 member m0 @ ipv4:127.0.0.1:40000"
@@ -199,7 +200,11 @@ def test_verify_exits_0_when_intact_1_when_tampered_2_when_missing(
 ) -> None:
     ok = run_cli("verify", "--db", filled)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert ok.stdout.strip() == "ok: 11 records, 5 grants in 2 groups, chain intact, no overlaps"
+    assert ok.stdout.splitlines() == [
+        f"note: {UNANCHORED_NOTE}",
+        "ok: 11 records, 5 grants in 2 groups, chain intact, no overlaps; "
+        "its tail unchecked (no --anchor)",
+    ]
 
     # Rewriting history, even to something plausible, breaks the record's hash.
     with sqlite3.connect(filled.removeprefix("sqlite:///")) as db:

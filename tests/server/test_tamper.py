@@ -365,3 +365,51 @@ def test_serve_checks_the_heads_it_is_given_as_well(pristine: Pristine, tmp_path
         alone.start()
     finally:
         alone.close()
+
+
+def test_serve_checks_every_anchor_not_only_the_newest(pristine: Pristine, tmp_path: Path) -> None:
+    """A store that went back in time and then went on, as after a database failover that
+    lost commits under a server that kept writing: its newest anchors match its chain, and
+    only the older anchors of the lost records tell. serve finds the first of them."""
+    db = tmp_path / "rngcoord.db"
+    _copy_store(pristine.folder / "old.db", db)
+    lost_anchors = (pristine.folder / "rngcoord.db.anchors.jsonl").read_text()
+    lost_ids = [json.loads(line)["id"] for line in lost_anchors.splitlines()]
+    lost_top = max(lost_ids)
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as raw:
+        copy_head = raw.execute("SELECT last_id FROM audit_head").fetchone()[0]
+    raw.close()
+    assert copy_head < lost_top
+    key = ("--audit-key", str(pristine.key))
+    # The older copy is served, and anchored, by a server that never saw the lost anchors,
+    # until its chain runs past them with records of its own.
+    server = CoordinatorProcess(f"sqlite:///{db}", tmp_path / "server", args=key, init=False)
+    server.start()
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            epoch = _join(stub, "k", "m0").epoch
+            for seq in range(lost_top + 2):
+                _reserve(stub, "k", epoch, seq)
+        _anchored(server, db)
+        server.terminate()
+    finally:
+        server.close()
+    anchor_file = db.with_name(db.name + ".anchors.jsonl")
+    went_on = anchor_file.read_text()
+    newest = json.loads(went_on.splitlines()[-1])
+    assert newest["id"] > lost_top
+    # The anchor file as a server that was there all along would have it: the anchors of the
+    # lost records first, then those written after the failover.
+    anchor_file.write_text(lost_anchors + went_on)
+    restarted = CoordinatorProcess(f"sqlite:///{db}", tmp_path / "again", args=key, init=False)
+    try:
+        with pytest.raises(RuntimeError, match="the chain was rewritten from there") as refused:
+            restarted.start()
+    finally:
+        restarted.close()
+    message = str(refused.value)
+    assert "rngcoord.db.anchors.jsonl" in message
+    # The first anchor that disagrees is the lowest of the lost records', not the newest.
+    first_lost = min(i for i in lost_ids if i > copy_head)
+    assert f"(record {first_lost}, hash" in message

@@ -32,7 +32,7 @@ from rngcoord.server import audit
 from rngcoord.server.anchors import read_anchors
 from rngcoord.server.sqlite import SqliteStore
 from rngcoord.server.store import Tx, to_db
-from rngcoord.server.verify import verify
+from rngcoord.server.verify import UNANCHORED_NOTE, verify
 
 KEY = bytes(range(32))
 
@@ -88,8 +88,14 @@ def test_without_the_key_verify_says_what_it_could_not_check(h: InProcess) -> No
     assert report.ok
     assert report.notes == [
         f"records from 1 on are MACed under key id {audit.key_id(KEY)}: their MACs and the "
-        "anchors' signatures were not checked (pass --audit-key)"
+        "anchors' signatures were not checked (pass --audit-key)",
+        UNANCHORED_NOTE,
     ]
+    # Without an anchor, a cut tail cannot be seen, and the summary says so.
+    assert report.summary() == (
+        "ok: 7 records, 3 grants in 1 groups, chain intact, no overlaps; "
+        "its tail unchecked (no --anchor)"
+    )
 
 
 def test_a_wrong_key_is_named(h: InProcess) -> None:

@@ -1,10 +1,11 @@
 """Anchors: signed (store id, record id, hash) triples of the audit chain, kept outside the store.
 
-A server appends one to its anchor file each second the chain's head moved, and checks the
-newest one when it starts, so that it never serves a store rolled back below what it already
-anchored: an older copy swapped in, the chain's tail cut, the tables emptied, or another store
-in the old one's place (docs/design.md §8 and §11.1). `rngcoord verify --anchor` checks a chain
-against anchors the same way, and against the heads clients keep in their checkpoints.
+A server appends one to its anchor file each second the chain's head moved, and checks them
+all (those in the file's last MiB) when it starts, so that it never serves a store rolled back
+below what it already anchored: an older copy swapped in, the chain's tail cut, the tables
+emptied, a failover that lost commits, or another store in the old one's place
+(docs/design.md §8 and §11.1). `rngcoord verify --anchor` checks a chain against anchors the
+same way, and against the heads clients keep in their checkpoints.
 """
 
 from __future__ import annotations
@@ -127,14 +128,14 @@ def check_store(
     init: bool,
     given: Sequence[dict[str, Any]] = (),
 ) -> None:
-    """Refuse to serve `store` unless its chain holds the newest anchor of it.
+    """Refuse to serve `store` unless its chain holds every anchor of it.
 
     The newest of the server's own anchors (`anchors`, the last one read) must be of this
-    store, unless `init` (a new store on purpose, whose anchors start now). Of this store's
-    anchors, its own and those `given` (`serve --anchor`: another server's file or log, heads
-    kept in checkpoints), the one with the highest record id must be in the chain with its
-    hash, and signed by the chain's key when the chain is keyed; a signed anchor of a chain
-    that is not keyed (any more) means its keying was stripped.
+    store, unless `init` (a new store on purpose, whose anchors start now). Each of this
+    store's anchors, its own and those `given` (`serve --anchor`: another server's file or
+    log, heads kept in checkpoints), must be in the chain with its hash, and signed by the
+    chain's key when the chain is keyed; a signed anchor of a chain that is not keyed (any
+    more) means its keying was stripped.
 
     Raises:
         StoreRolledBack: naming the anchor, the record it holds and where the chain ends.
@@ -150,13 +151,63 @@ def check_store(
     own = [a for a in [*anchors, *given] if a.get("store_id") == chain.store_id]
     if not own:
         return
-    anchor = max(own, key=lambda a: int(a["id"]))
+    for anchor in own:
+        _check_signature(anchor, chain, store.location)
+    ids = sorted({int(a["id"]) for a in own})
+
+    def read(tx: Tx) -> tuple[int, dict[int, str]]:
+        head = tx.fetchone("SELECT last_id FROM audit_head WHERE id = 1")
+        hashes: dict[int, str] = {}
+        for i in range(0, len(ids), _IDS_PER_QUERY):
+            chunk = ids[i : i + _IDS_PER_QUERY]
+            marks = ",".join("?" * len(chunk))
+            for record_id, record_hash in tx.fetchall(
+                f"SELECT id, hash FROM audit WHERE id IN ({marks})", chunk
+            ):
+                hashes[int(record_id)] = str(record_hash)
+        return (0 if head is None else int(head[0])), hashes
+
+    last_id, stored = store.read(read)
+    # Every anchor, not only the newest: a store that went back in time and then went on
+    # (a database failover that lost commits, under servers that kept writing) has newest
+    # anchors that match it; the anchors of the lost records do not. The lowest that
+    # disagrees is where the chain went another way.
+    for anchor in sorted(own, key=lambda a: int(a["id"])):
+        record_id, record_hash = int(anchor["id"]), str(anchor["hash"])
+        found = stored.get(record_id)
+        if found == record_hash:
+            continue
+        where = f"anchor {anchor.get('source')} (record {record_id}, hash {record_hash[:16]}...)"
+        if found is None:
+            raise StoreRolledBack(
+                f"{where}: the audit chain of the store at {store.location} ends at record "
+                f"{last_id}, below the anchored record: the store was rolled back (an older "
+                "copy, its tail cut, its tables emptied, or a database failover to a standby "
+                "that lacked the last commits) and could grant offsets again. Restore the "
+                "newest copy, or recover with `rngcoord serve --init --floor-from "
+                "AUDIT_EXPORT` on a new store"
+            )
+        raise StoreRolledBack(
+            f"{where}: record {record_id} of the store at {store.location} has hash "
+            f"{found[:16]}... (the chain ends at record {last_id}): the chain was rewritten "
+            "from there (edited, or rolled back by a database failover that lost commits and "
+            "then written on). Check it with `rngcoord verify --anchor`"
+        )
+
+
+_IDS_PER_QUERY = 500
+"""Anchored record ids looked up per query (SQLite allows 32,766 parameters a statement)."""
+
+
+def _check_signature(anchor: dict[str, Any], chain: audit.Chain, location: str) -> None:
+    """Refuse an anchor signed for an unkeyed chain (its keying stripped), or one of a keyed
+    chain whose signature is not this chain's key's."""
     record_id, record_hash = int(anchor["id"]), str(anchor["hash"])
     where = f"anchor {anchor.get('source')} (record {record_id}, hash {record_hash[:16]}...)"
     mac = str(anchor.get("mac", ""))
     if mac and not chain.keyed:
         raise StoreRolledBack(
-            f"{where} is signed, but the audit chain of the store at {store.location} is not "
+            f"{where} is signed, but the audit chain of the store at {location} is not "
             "keyed: its keying was stripped, or --audit-key is missing"
         )
     if chain.keyed and not hmac.compare_digest(mac, chain.anchor_mac(record_id, record_hash)):
@@ -164,25 +215,3 @@ def check_store(
             f"{where} is not signed by this chain's key: the anchor file was edited, or it "
             "belongs to another key"
         )
-
-    def read(tx: Tx) -> tuple[int, str | None]:
-        head = tx.fetchone("SELECT last_id FROM audit_head WHERE id = 1")
-        row = tx.fetchone("SELECT hash FROM audit WHERE id = ?", (record_id,))
-        return (0 if head is None else int(head[0])), (None if row is None else str(row[0]))
-
-    last_id, stored = store.read(read)
-    if stored == record_hash:
-        return
-    if stored is None:
-        raise StoreRolledBack(
-            f"{where}: the audit chain of the store at {store.location} ends at record "
-            f"{last_id}, below the anchored record: the store was rolled back (an older copy, "
-            "its tail cut, or its tables emptied) and could grant offsets again. Restore the "
-            "newest copy, or recover with `rngcoord serve --init --floor-from AUDIT_EXPORT` "
-            "on a new store"
-        )
-    raise StoreRolledBack(
-        f"{where}: record {record_id} of the store at {store.location} has hash "
-        f"{stored[:16]}... (the chain ends at record {last_id}): the chain was rewritten. "
-        "Check it with `rngcoord verify --anchor`"
-    )

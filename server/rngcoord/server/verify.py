@@ -37,9 +37,17 @@ from rngcoord.server.seeds import group_seed
 from rngcoord.server.store import Store, Tx, from_db
 from rngcoord.v1.types import AuditRecord, members_digest
 
-__all__ = ["VerifyReport", "verify"]
+__all__ = ["UNANCHORED_NOTE", "VerifyReport", "verify"]
 
 _PAGE = 1000
+
+UNANCHORED_NOTE = (
+    "no anchor was given, so a chain cut at its tail looks intact: an older copy put back, or "
+    "a database failover to a standby that lacked the last commits (docs/operations.md), "
+    "loses records and the grants they made without a trace in what is left. Pass --anchor "
+    "with the server's anchor file, or with the audit head a client's checkpoint kept"
+)
+"""What `verify` says when it was given no anchor."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +61,8 @@ class VerifyReport:
         groups: groups in the store.
         problems: one sentence per problem, naming the records or rows involved.
         notes: what could not be checked, and why (for example, no audit key given).
+        anchored: whether anchors were checked: without one, a chain cut at its tail looks
+            intact (`UNANCHORED_NOTE`).
     """
 
     ok: bool
@@ -61,12 +71,14 @@ class VerifyReport:
     groups: int
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    anchored: bool = False
 
     def summary(self) -> str:
         """One line: what was checked and whether it held."""
         counts = f"{self.records} records, {self.grants} grants in {self.groups} groups"
         if self.ok:
-            return f"ok: {counts}, chain intact, no overlaps"
+            tail = "" if self.anchored else "; its tail unchecked (no --anchor)"
+            return f"ok: {counts}, chain intact, no overlaps{tail}"
         return f"FAILED: {len(self.problems)} problems in {counts}"
 
 
@@ -273,7 +285,11 @@ def verify(
     problems += derived.compare(snap)
     problems += _check_leases(grants, snap.leases)
     problems += _check_overlaps(grants, restores)
-    return VerifyReport(not problems, checked, len(grants), len(snap.groups), problems, notes)
+    if not anchor_list:
+        notes.append(UNANCHORED_NOTE)
+    return VerifyReport(
+        not problems, checked, len(grants), len(snap.groups), problems, notes, bool(anchor_list)
+    )
 
 
 class _Derived:
