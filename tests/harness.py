@@ -479,6 +479,7 @@ class CountingStore:
         self.dialect = inner.dialect
         self.store_id = inner.store_id
         self.location = inner.location
+        self.replication = inner.replication
         self.writes = 0
 
     def check_identity(self) -> None:

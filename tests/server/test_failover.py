@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from replica_client import FINGERPRINT, lease_size
 from storm import JOB, Storm, check_agreement, check_read_back, check_verify
 
@@ -58,7 +60,9 @@ def test_a_synchronous_standby_is_promoted_and_no_acknowledged_lease_is_lost(
     pair = pg_pair(synchronous=True)
     pair.create_database("rngcoord")
     db_url = pair.database_url("rngcoord")
-    replicas = [coordinator_factory(db_url), coordinator_factory(db_url)]
+    metrics = ("--metrics", "127.0.0.1:0")
+    replicas = [coordinator_factory(db_url, args=metrics), coordinator_factory(db_url)]
+    assert _replication_shown(replicas[0]) == (1.0, True)
     with Storm(replicas, tmp_path) as storm:
         storm.wait_for_progress({})
         before = storm.lease_counts()
@@ -77,6 +81,8 @@ def test_a_synchronous_standby_is_promoted_and_no_acknowledged_lease_is_lost(
     # promoted one, which has no standby of its own and so no longer replicates synchronously.
     for replica in replicas:
         assert [e["synchronous"] for e in _replication_events(replica)] == [True, False]
+    # /metrics and the status page show it too.
+    assert _replication_shown(replicas[0]) == (0.0, False)
     print(f"promoted in {promoted:.2f} s; {sum(before.values())} leases before the kill")
 
 
@@ -146,6 +152,26 @@ def _health(replica: CoordinatorProcess) -> str:
         return f"unreachable ({exc.code()})"
 
 
+def _replication_shown(replica: CoordinatorProcess) -> tuple[float, bool]:
+    """The replication gauge of /metrics, and the status API's `replication_synchronous`."""
+    (serving,) = [e for e in replica.log_events() if e["event"] == "serving"]
+    base = f"http://{serving['fields']['metrics']}"
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    (gauge,) = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "rngcoord_store_replication_synchronous"
+    ]
+    with urllib.request.urlopen(f"{base}/api/status", timeout=10) as response:
+        state = json.loads(response.read())
+    assert state["replication"].startswith(
+        "synchronous" if state["replication_synchronous"] else "asynchronous"
+    )
+    return gauge, state["replication_synchronous"]
+
+
 def _replication_events(replica: CoordinatorProcess) -> list[dict[str, object]]:
     lines = replica.log_path.read_text().splitlines()
     events = [json.loads(line) for line in lines if '"store_replication"' in line]
@@ -158,7 +184,8 @@ def test_serve_refuses_an_asynchronous_primary_when_sync_replication_is_required
 ) -> None:
     db_url = postgres_url_factory()  # the shared test server: no standby at all
     # Without the flag the mode is a warning in the log, and serve runs.
-    replica = coordinator_factory(db_url)
+    replica = coordinator_factory(db_url, args=("--metrics", "127.0.0.1:0"))
+    assert _replication_shown(replica) == (0.0, False)
     (logged,) = _replication_events(replica)
     assert logged["synchronous"] is False and logged["synchronous_standby_names"] == ""
     assert "synchronous_standby_names is empty" in str(logged["description"])

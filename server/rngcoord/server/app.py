@@ -388,6 +388,8 @@ async def run_server(
 
     loop = asyncio.get_running_loop()
     store, chain = await loop.run_in_executor(None, open_for_serving, options)
+    if store.dialect == "postgresql":
+        metrics.follow_replication(lambda: store.replication)
     coordinator = Coordinator(
         store,
         # One process logs the group events that every process follows: worker 0.

@@ -10,9 +10,14 @@ Exposed series:
 - `rngcoord_divergences_total`: Reserve calls refused because ranks disagree.
 - `rngcoord_errors_total{code}`: RPCs that ended with a gRPC error, by status code name.
 - `rngcoord_rpc_seconds{method}`: RPC latency inside the server, by method name.
+- `rngcoord_store_replication_synchronous` (PostgreSQL only): 1 while the primary replicates
+  synchronously, so that a failover loses no acknowledged grant; 0 while it does not
+  (docs/operations.md); NaN before the writer connected.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import grpc
 from prometheus_client import (
@@ -21,8 +26,11 @@ from prometheus_client import (
     PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
 )
+
+from rngcoord.server.replication import Replication
 
 # Coordinator RPCs take well under a millisecond on a hit and one group-commit fsync on a grant;
 # the buckets resolve both, and joins that wait for a barrier land in the top ones.
@@ -104,3 +112,19 @@ class Metrics:
     def error(self, code: grpc.StatusCode) -> None:
         """Count one RPC that ended with status `code`."""
         self._errors_by_code[code].inc()
+
+    def follow_replication(self, replication: Callable[[], Replication | None]) -> None:
+        """Expose `rngcoord_store_replication_synchronous`, read from `replication()` at each
+        scrape. For a store with standbys only (PostgreSQL)."""
+        gauge = Gauge(
+            "rngcoord_store_replication_synchronous",
+            "1 while the PostgreSQL primary replicates synchronously (a failover to its standby "
+            "loses no acknowledged grant), 0 while it does not; NaN before the writer connected.",
+            registry=self.registry,
+        )
+
+        def value() -> float:
+            found = replication()
+            return float("nan") if found is None else float(found.synchronous)
+
+        gauge.set_function(value)

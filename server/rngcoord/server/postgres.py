@@ -701,10 +701,13 @@ class PostgresStore:
         """Raise `StoreLost` unless the database still holds this store (its schema and id),
         and `StoreRewound` unless it still holds the newest audit head this process saw."""
 
+        # Before the snapshot: every commit the known head names precedes it (`check_head`).
+        known = self._known.head
+
         def check(tx: Tx) -> str:
             found = read_store_id(tx)
             if found == self.store_id:
-                check_head(tx, self._known, advance=self._reads_acknowledged())
+                check_head(tx, self._known, known, advance=self._reads_acknowledged())
             return found
 
         try:

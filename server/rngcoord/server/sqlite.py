@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rngcoord.server.errors import Unavailable
 from rngcoord.server.groupcommit import GroupCommitWriter
@@ -32,6 +32,9 @@ from rngcoord.server.store import (
     check_head,
     read_store_id,
 )
+
+if TYPE_CHECKING:
+    from rngcoord.server.replication import Replication
 
 __all__ = ["SqliteStore", "SqliteTx"]
 
@@ -118,6 +121,7 @@ class SqliteStore:
     ):
         self.path = Path(path).absolute()
         self.location = str(self.path)
+        self.replication: Replication | None = None  # a file has no standby
         self._known = KnownHead(self.location)
         if not create and not _has_schema(self.path):
             raise StoreNotFound(
@@ -200,10 +204,13 @@ class SqliteStore:
         older copy written over the file in place keeps its inode)."""
         self._check_file()
 
+        # Before the snapshot: every commit the known head names precedes it (`check_head`).
+        known = self._known.head
+
         def check(tx: Tx) -> str:
             found = read_store_id(tx)
             if found == self.store_id:
-                check_head(tx, self._known)
+                check_head(tx, self._known, known)
             return found
 
         if self.read(check) != self.store_id:

@@ -465,8 +465,11 @@ class StatusServer:
     def _head(self) -> dict[str, Any]:
         anchor = self._source.head_anchor()
         _, record_id, record_hash, mac = anchor.split(":")
+        replication = self._source.store.replication
         return {
             "store_id": self._source.store.store_id,
+            "replication": None if replication is None else replication.describe(),
+            "replication_synchronous": None if replication is None else replication.synchronous,
             "anchor": anchor,
             "head_id": int(record_id),
             "head_hash": record_hash,

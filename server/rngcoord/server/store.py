@@ -20,7 +20,10 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from importlib import resources
-from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, runtime_checkable
+
+if TYPE_CHECKING:
+    from rngcoord.server.replication import Replication
 
 __all__ = [
     "BIAS",
@@ -234,6 +237,10 @@ class Store(Protocol):
     location: str
     """Where the store is, for messages (an absolute file path, or a URL without password)."""
 
+    replication: Replication | None
+    """The primary's replication settings as the writer's latest connection read them
+    (PostgreSQL); None for a store without standbys (SQLite), or before the writer connected."""
+
     def is_unavailable(self, exc: BaseException) -> bool:
         """Whether `exc`, raised by the driver, means the database cannot serve now (down,
         unreachable, full, unreadable, its tables gone) rather than a bug: such a failure is
@@ -368,11 +375,15 @@ HEAD_CHECK_SQL = (
 """The chain's head, and the hash of the record with a given id (`KnownHead.check`)."""
 
 
-def check_head(tx: Tx, known: KnownHead, *, advance: bool = True) -> None:
-    """Raise `StoreRewound` unless the store read by `tx` still holds `known`'s head; then,
-    with `advance`, move `known` to the store's head (see `PostgresStore` for when a head that
-    was read is not yet known to last)."""
-    head = known.head
+def check_head(tx: Tx, known: KnownHead, head: tuple[int, str], *, advance: bool = True) -> None:
+    """Raise `StoreRewound` unless the store read by `tx` still holds `head`, `known.head` as
+    it was before `tx` began; then, with `advance`, move `known` to the store's head (see
+    `PostgresStore` for when a head that was read is not yet known to last).
+
+    `head` must be read before the transaction's snapshot: a commit that lands after the
+    snapshot moves `known.head` past what the snapshot can see, and a store that is only
+    behind would look rewound (a test met it on SQLite: known 3905, snapshot at 3882).
+    """
     row = tx.fetchone(HEAD_CHECK_SQL, (head[0],))
     if row is None:
         raise StoreLost("the store has no audit_head row: its tables were emptied")
