@@ -227,3 +227,31 @@ def test_a_write_with_no_primary_left_names_the_lost_connection(
         assert store.write(lambda tx: tx.fetchone("SELECT 1")) == (1,)
     finally:
         store.close()
+
+
+def test_health_is_not_serving_while_no_primary_answers_then_serving_again(
+    pg_pair: Callable[..., pg_clusters.PostgresPair],
+    coordinator_factory: Callable[..., CoordinatorProcess],
+) -> None:
+    """No call needs to come for health to tell: the once-a-second store check finds no
+    primary, and finds the promoted one, without a restart."""
+    pair = pg_pair(synchronous=False)
+    pair.create_database("rngcoord")
+    replica = coordinator_factory(pair.database_url("rngcoord"))
+    join_all(replica.stub(), "before", "g", 1)
+    assert _health(replica) == "SERVING"
+    pair.kill_primary()
+    _wait_for_health(replica, "NOT_SERVING")
+    pair.promote()
+    _wait_for_health(replica, "SERVING")
+    assert replica.popen is not None and replica.popen.poll() is None
+    join_all(replica.stub(), "after", "g", 1)
+    events = [e["event"] for e in replica.log_events()]
+    assert events.count("not_serving") == 1 and events.count("serving_again") == 1
+
+
+def _wait_for_health(replica: CoordinatorProcess, wanted: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (found := _health(replica)) != wanted:
+        assert time.monotonic() < deadline, f"health stayed {found}, not {wanted}"
+        time.sleep(0.2)

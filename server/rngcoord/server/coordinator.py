@@ -160,6 +160,8 @@ class Coordinator:
         self._tasks: set[asyncio.Task[None]] = set()
         self._lost: str | None = None
         self._write_failure: str | None = None
+        # Why the latest store check failed (the database unreachable), or None once one passes.
+        self._check_failure: str | None = None
         self._watch_s = watch_s
         self._watch_task: asyncio.Task[None] | None = None
 
@@ -177,9 +179,10 @@ class Coordinator:
     @property
     def health_problem(self) -> str | None:
         """Why this coordinator should not get traffic now (its store is lost, its last write
-        failed, or writes have stopped moving), or None when it is healthy."""
-        if self._lost or self._write_failure:
-            return self._lost or self._write_failure
+        failed, its latest store check could not read it, or writes have stopped moving), or
+        None when it is healthy."""
+        if self._lost or self._write_failure or self._check_failure:
+            return self._lost or self._write_failure or self._check_failure
         problem = self._store.write_problem(self._write_stall_s)
         return problem.reason if problem is not None else None
 
@@ -249,8 +252,15 @@ class Coordinator:
                 await loop.run_in_executor(self._readers, self._store.check_identity)
             except StoreLost as exc:
                 self._store_lost(str(exc))
-            except Exception as exc:  # the database is down: writes report it themselves
-                event(_log, logging.WARNING, "store_check_failed", error=str(exc))
+            except Exception as exc:
+                # The database is down (or no primary answers yet after a failover): health
+                # says so even while no write comes to find out, and turns SERVING again by
+                # itself once a check passes.
+                if self._check_failure is None:
+                    event(_log, logging.WARNING, "store_check_failed", error=str(exc))
+                self._check_failure = f"the store cannot be read: {exc}"
+            else:
+                self._check_failure = None
 
     def _store_lost(self, why: str) -> None:
         if self._lost is None:
