@@ -19,6 +19,10 @@ Fixtures
     `postgres_url_factory()` creates one more fresh database and returns its URL (dropped at the
     end of the session); skips like the postgresql case above.
 
+`pg_pair` (function scope)
+    `pg_pair(synchronous=...)` makes a PostgreSQL primary and a streaming standby of the test's
+    own (tests/pg_clusters.py), to kill and promote; skipped without PostgreSQL's binaries.
+
 `coordinator_factory` (function scope)
     `coordinator_factory(db_url=None, *, args=(), env=None)` starts a `CoordinatorProcess`
     (a real `rngcoord serve` subprocess on 127.0.0.1 and an ephemeral port) and waits until it
@@ -39,6 +43,7 @@ from pathlib import Path
 
 import pytest
 
+import pg_clusters
 from harness import (
     BACKENDS,
     CoordinatorFactory,
@@ -103,6 +108,23 @@ def postgres_url_factory(_postgres: PostgresDatabases) -> Iterator[Callable[[], 
     yield make
     for url in made:
         _postgres.drop(url)
+
+
+@pytest.fixture
+def pg_pair() -> Iterator[Callable[..., pg_clusters.PostgresPair]]:
+    """`pg_pair(synchronous=...)` makes a primary and a standby; both go when the test ends."""
+    reason = pg_clusters.unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    pairs: list[pg_clusters.PostgresPair] = []
+
+    def make(*, synchronous: bool) -> pg_clusters.PostgresPair:
+        pairs.append(pg_clusters.PostgresPair(synchronous=synchronous))
+        return pairs[-1]
+
+    yield make
+    for pair in pairs:
+        pair.close()
 
 
 @pytest.fixture

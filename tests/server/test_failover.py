@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -33,23 +33,6 @@ from rngcoord.server.postgres import PostgresStore
 from rngcoord.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def pg_pair() -> Iterator[Callable[..., pg_clusters.PostgresPair]]:
-    """`pg_pair(synchronous=...)` makes a primary and a standby; both go when the test ends."""
-    reason = pg_clusters.unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    pairs: list[pg_clusters.PostgresPair] = []
-
-    def make(*, synchronous: bool) -> pg_clusters.PostgresPair:
-        pairs.append(pg_clusters.PostgresPair(synchronous=synchronous))
-        return pairs[-1]
-
-    yield make
-    for pair in pairs:
-        pair.close()
 
 
 def test_a_synchronous_standby_is_promoted_and_no_acknowledged_lease_is_lost(
@@ -70,6 +53,12 @@ def test_a_synchronous_standby_is_promoted_and_no_acknowledged_lease_is_lost(
         killed = time.monotonic()
         pair.promote()
         promoted = time.monotonic() - killed
+        # When every member had received another lease (docs/operations.md records it): how
+        # long the failover held up the slowest rank, at most.
+        while not all(n > before[m] for m, n in storm.lease_counts().items()):
+            assert time.monotonic() - killed < 90, "a member got no lease after the kill"
+            time.sleep(0.01)
+        all_served = time.monotonic() - killed
         # Every member gets more leases from the promoted store, from the same processes.
         storm.wait_for_progress(before, timeout_s=90)
         chains = check_agreement(storm.finish(), one_grant_each=False)
@@ -87,7 +76,11 @@ def test_a_synchronous_standby_is_promoted_and_no_acknowledged_lease_is_lost(
         assert [e["synchronous"] for e in _replication_events(replica)] == [True, False]
     # /metrics and the status page show it too.
     assert _replication_shown(replicas[0]) == (0.0, False)
-    print(f"promoted in {promoted:.2f} s; {sum(before.values())} leases before the kill")
+    print(
+        f"promoted {promoted:.2f} s after the kill, every member served again after "
+        f"{all_served:.2f} s; "
+        f"{sum(before.values())} leases before the kill"
+    )
 
 
 def test_a_standby_that_lost_acknowledged_grants_is_refused_never_served(

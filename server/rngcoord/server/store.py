@@ -129,9 +129,10 @@ class KnownHead:
             f"the store at {self._location} went back in time: this server saw audit record "
             f"{known_id} (hash {known_hash[:12]}...) committed, and {where}. A database "
             "failover to a standby that had not received every commit (asynchronous "
-            "replication) loses acknowledged grants; serving on could grant their offsets "
-            "again, so this server refuses every call. Run the database with synchronous "
-            "replication (docs/operations.md), and see docs/design.md §11.6 for what to do now"
+            "replication), or an older copy put in its place, loses acknowledged grants; "
+            "serving on could grant their offsets again, so this server refuses every call. "
+            "Run PostgreSQL with synchronous replication (docs/operations.md), and see "
+            "docs/design.md §11.6 for what to do now"
         )
 
 
