@@ -278,9 +278,9 @@ def side_by_side(*calls: Callable[[], T]) -> list[T]:
     For runs that mostly wait (torchrun jobs on rendezvous, peers and checkpoints, a
     coordinator held down for an outage): side by side, their waits overlap other work.
     """
+    # Leaving the `with` waits for every call.
     with ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="side-by-side") as pool:
         futures = [pool.submit(call) for call in calls]
-        concurrent.futures.wait(futures)
     return [f.result() for f in futures]
 
 

@@ -64,7 +64,7 @@ from rngcoord.server.store import (
     Tx,
     WriteProblem,
     apply_migrations,
-    check_head,
+    identity_reader,
     read_store_id,
 )
 
@@ -700,16 +700,7 @@ class PostgresStore:
     def check_identity(self) -> None:
         """Raise `StoreLost` unless the database still holds this store (its schema and id),
         and `StoreRewound` unless it still holds the newest audit head this process saw."""
-
-        # Before the snapshot: every commit the known head names precedes it (`check_head`).
-        known = self._known.head
-
-        def check(tx: Tx) -> str:
-            found = read_store_id(tx)
-            if found == self.store_id:
-                check_head(tx, self._known, known, advance=self._reads_acknowledged())
-            return found
-
+        check = identity_reader(self.store_id, self._known, advance=self._reads_acknowledged())
         try:
             found = self.read(check)
         except psycopg.errors.UndefinedTable as exc:

@@ -29,7 +29,7 @@ from rngcoord.server.store import (
     Tx,
     WriteProblem,
     apply_migrations,
-    check_head,
+    identity_reader,
     read_store_id,
 )
 
@@ -203,17 +203,7 @@ class SqliteStore:
         and `StoreRewound` unless it still holds the newest audit head this process saw (an
         older copy written over the file in place keeps its inode)."""
         self._check_file()
-
-        # Before the snapshot: every commit the known head names precedes it (`check_head`).
-        known = self._known.head
-
-        def check(tx: Tx) -> str:
-            found = read_store_id(tx)
-            if found == self.store_id:
-                check_head(tx, self._known, known)
-            return found
-
-        if self.read(check) != self.store_id:
+        if self.read(identity_reader(self.store_id, self._known)) != self.store_id:
             raise StoreLost(f"the store at {self.path} now has another store id")
 
     def saw_head(self, record_id: int, record_hash: str) -> None:

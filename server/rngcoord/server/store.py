@@ -36,8 +36,8 @@ __all__ = [
     "StoreRewound",
     "Tx",
     "apply_migrations",
-    "check_head",
     "from_db",
+    "identity_reader",
     "row_reader",
     "split_sql",
     "to_db",
@@ -376,21 +376,33 @@ HEAD_CHECK_SQL = (
 """The chain's head, and the hash of the record with a given id (`KnownHead.check`)."""
 
 
-def check_head(tx: Tx, known: KnownHead, head: tuple[int, str], *, advance: bool = True) -> None:
-    """Raise `StoreRewound` unless the store read by `tx` still holds `head`, `known.head` as
-    it was before `tx` began; then, with `advance`, move `known` to the store's head (see
-    `PostgresStore` for when a head that was read is not yet known to last).
+def identity_reader(
+    store_id: str, known: KnownHead, *, advance: bool = True
+) -> Callable[[Tx], str]:
+    """A read (for `Store.read`) that returns the store's id and, where it is `store_id`,
+    raises `StoreRewound` unless the store still holds `known`'s head; then, with `advance`,
+    moves `known` to the store's head (see `PostgresStore` for when a head that was read is
+    not yet known to last).
 
-    `head` must be read before the transaction's snapshot: a commit that lands after the
-    snapshot moves `known.head` past what the snapshot can see, and a store that is only
+    `known.head` is taken now, before the read's snapshot begins: a commit that lands after
+    the snapshot moves `known.head` past what the snapshot can see, and a store that is only
     behind would look rewound (a test met it on SQLite: known 3905, snapshot at 3882).
     """
-    row = tx.fetchone(HEAD_CHECK_SQL, (head[0],))
-    if row is None:
-        raise StoreLost("the store has no audit_head row: its tables were emptied")
-    known.check(int(row[0]), None if row[2] is None else str(row[2]), head)
-    if advance:
-        known.saw(int(row[0]), str(row[1]))
+    head = known.head
+
+    def read(tx: Tx) -> str:
+        found = read_store_id(tx)
+        if found != store_id:
+            return found
+        row = tx.fetchone(HEAD_CHECK_SQL, (head[0],))
+        if row is None:
+            raise StoreLost("the store has no audit_head row: its tables were emptied")
+        known.check(int(row[0]), None if row[2] is None else str(row[2]), head)
+        if advance:
+            known.saw(int(row[0]), str(row[1]))
+        return found
+
+    return read
 
 
 def read_store_id(tx: Tx) -> str:
