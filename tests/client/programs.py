@@ -610,7 +610,8 @@ def chaos(ctx: Ctx) -> dict[str, Any]:
 def rewound(ctx: Ctx) -> dict[str, Any]:
     """Draw, let the test back the store up, draw on and save the tracker's state; once the
     test has put the backup back, install again and load the state: the store went back in
-    time, and the tracker must refuse."""
+    time (as a failover that lost commits does), and the join reports the saved cursor, so
+    the new epoch starts past it."""
     import torch.distributed.tensor as dt
     from torch.distributed.tensor import Replicate as R
 

@@ -9,12 +9,14 @@
   are exactly those of an uninterrupted stream.
 - Chaos: four gloo processes keep drawing while the coordinator is stopped (SIGSTOP) for 15 s,
   then killed and restarted; the job finishes (or fails clearly) and `verify` is clean.
-- A store restored from an older backup: a checkpoint of the same job notices that the group
-  went back in time, and stops.
+- A store restored from an older backup (as a failover that lost commits leaves it): the rank
+  that loads the job's checkpoint reports its cursor when it joins, and the new epoch starts
+  past it, audited as a failover gap that `verify` names.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -151,7 +153,7 @@ def test_chaos_a_job_through_a_stopped_killed_and_restarted_coordinator(
     assert report.returncode == 0, report.stdout + report.stderr
 
 
-def test_a_store_rewound_to_an_older_backup_is_refused(
+def test_a_store_rewound_to_an_older_backup_is_moved_past_the_saved_cursor(
     coordinator: CoordinatorProcess, tmp_path: Path
 ) -> None:
     db = Path(coordinator.db_url.removeprefix("sqlite:///"))
@@ -172,6 +174,17 @@ def test_a_store_rewound_to_an_older_backup_is_refused(
     finally:
         (result,) = job.wait()
     assert result["state"]["store_id"] and result["state"]["audit_head"]
-    assert result["error"] is not None
-    assert "went back in time" in result["error"]
-    assert "below the saved cursor 704" in result["error"]
+    # The rank that loaded the checkpoint reported its cursor when it joined: the new epoch
+    # starts there, not at the older copy's high-water mark, and the move is audited.
+    # (Before JoinGroupRequest.position the tracker stopped here with StoreMismatchError.)
+    assert result["error"] is None
+    export = run_cli("audit", "--db", coordinator.db_url, "--json", "--job", "rewound")
+    assert export.returncode == 0, export.stderr
+    audited = [json.loads(line) for line in export.stdout.splitlines()]
+    (gap,) = [r for r in audited if r["kind"] == "failover-gap"]
+    assert gap["detail"]["to"] == 704 and gap["detail"]["from"] < 704
+    epochs = [r["detail"] for r in audited if r["kind"] == "epoch"]
+    assert epochs[-1]["start"] == 704
+    report = run_cli("verify", "--db", coordinator.db_url)
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert f"record {gap['id']}: failover gap" in report.stdout

@@ -203,6 +203,8 @@ def test_bad_sizes_fingerprints_and_cursors_are_invalid_argument(ref: Ref) -> No
         ref.expect(INVALID, "Reserve", ref.reserve_request(size=size), "size")
         ref.expect(INVALID, "Reserve", ref.reserve_request(fingerprint=fingerprint), "fingerprint")
         ref.expect(INVALID, "Restore", ref.restore_request(cursor=cursor), "cursor")
+        # A join's position is a cursor too (a failover gap moves the high-water mark to it).
+        ref.expect(INVALID, "JoinGroup", ref.join_request(position=cursor), "position")
 
     check()
     ref.check_untouched()

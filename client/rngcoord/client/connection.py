@@ -505,6 +505,7 @@ class CoordinatorClient:
         launch: str | None = None,
         restart_count: int | None = None,
         takeover: bool | None = None,
+        position: int = 0,
     ) -> JoinResult:
         """Join ``group``'s barrier; returns once ``world_size`` ranks have joined.
 
@@ -525,6 +526,9 @@ class CoordinatorClient:
                 its torchelastic restart count, and whether to replace a live epoch of
                 another launch (JoinGroupRequest). Default ``None``: this client's
                 :attr:`launch`, :attr:`restart_count` and :attr:`takeover`.
+            position: Where this member knows the group's grants reach (one past the end of
+                the newest lease it held, or a loaded checkpoint's cursor); an epoch it forms
+                starts at or above it (JoinGroupRequest.position). Default 0: none known.
         """
         request = self._join_request(
             job,
@@ -538,6 +542,7 @@ class CoordinatorClient:
             launch,
             restart_count,
             takeover,
+            position,
         )
         reply, call = self._call(
             "JoinGroup",
@@ -553,7 +558,7 @@ class CoordinatorClient:
     def join_groups(
         self,
         job: str,
-        groups: Sequence[tuple[str, int, int]],
+        groups: Sequence[tuple[str, int, int]] | Sequence[tuple[str, int, int, int]],
         *,
         member_id: str,
         job_seed: int | None = None,
@@ -569,7 +574,8 @@ class CoordinatorClient:
         Args:
             job: The job name.
             groups: ``(group, rank, world_size)`` of each group to join, at most 16,
-                distinct.
+                distinct, or ``(group, rank, world_size, position)`` (see
+                :meth:`join_group`).
             member_id, job_seed, timeout_s, include_members, launch, restart_count,
                 takeover: As for :meth:`join_group`, the same for every group.
 
@@ -592,8 +598,9 @@ class CoordinatorClient:
                     launch,
                     restart_count,
                     takeover,
+                    position,
                 )
-                for group, rank, world_size in groups
+                for group, rank, world_size, position in map(_join_spec, groups)
             ],
         )
         reply, call = self._call(
@@ -621,6 +628,7 @@ class CoordinatorClient:
         launch: str | None,
         restart_count: int | None,
         takeover: bool | None,
+        position: int = 0,
     ) -> pb.JoinGroupRequest:
         request = pb.JoinGroupRequest(
             job=job,
@@ -634,6 +642,7 @@ class CoordinatorClient:
             launch=self.launch if launch is None else launch,
             restart_count=self.restart_count if restart_count is None else restart_count,
             takeover=self.takeover if takeover is None else takeover,
+            position=position,
         )
         if job_seed is not None:
             request.job_seed = job_seed
@@ -971,3 +980,8 @@ _BY_CODE: dict[grpc.StatusCode, type[RNGCoordError]] = {
     grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
     grpc.StatusCode.DEADLINE_EXCEEDED: JoinTimeoutError,
 }
+
+
+def _join_spec(spec: tuple[str, int, int] | tuple[str, int, int, int]) -> tuple[str, int, int, int]:
+    """A join_groups entry as (group, rank, world_size, position), position 0 when left out."""
+    return (spec[0], spec[1], spec[2], spec[3] if len(spec) > 3 else 0)

@@ -1056,7 +1056,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
                 results = self._joined(
                     lambda: self.client.join_groups(
                         self.job,
-                        [(g.name, g.rank, g.world_size) for g in specs],
+                        [(g.name, g.rank, g.world_size, self._position(g.name)) for g in specs],
                         member_id=self.member_id,
                         job_seed=self._job_seed,
                         timeout_s=self.join_timeout_s,
@@ -1075,9 +1075,19 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
                 member_id=self.member_id,
                 job_seed=self._job_seed,
                 timeout_s=self.join_timeout_s,
+                position=self._position(group.name),
             )
         )
         return self._start(group, joined)
+
+    def _position(self, group: str) -> int:
+        """Where this rank knows ``group``'s grants reach (JoinGroupRequest.position): the
+        cursor of this job's checkpoint it loaded, so that a store which lost grants since
+        (a database failover) starts the epoch past them; 0 when it loaded none."""
+        pending = self._pending.get(group)
+        if pending is None or not isinstance(pending.get("epoch"), int):
+            return 0
+        return int(pending["offset"])
 
     def _joined(self, join: Callable[[], _T]) -> _T:
         """`join()`, its timeout told in terms of manual_seed's base when one is set."""

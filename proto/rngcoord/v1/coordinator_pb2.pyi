@@ -449,6 +449,7 @@ class JoinGroupRequest(_message.Message):
     LAUNCH_FIELD_NUMBER: _builtins.int
     RESTART_COUNT_FIELD_NUMBER: _builtins.int
     TAKEOVER_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     """The job (training run). Tokens are scoped to it."""
     group: _builtins.str
@@ -492,6 +493,14 @@ class JoinGroupRequest(_message.Message):
     """
     takeover: _builtins.bool
     """Replace the group's current epoch even if another launch is using it."""
+    position: _builtins.int
+    """Where this member knows the group's offsets were granted up to: one past the end of the
+    newest lease it holds or drew from in the group, or the cursor of a checkpoint it loaded;
+    0 (default) when it knows none. A multiple of 4. An epoch that this join forms starts at
+    or above it: a store whose high-water mark is below lost grants that ranks still hold
+    (a database failover under asynchronous replication) is moved past them, and the move is
+    audited as a `failover-gap` record.
+    """
     def __init__(
         self,
         *,
@@ -507,10 +516,11 @@ class JoinGroupRequest(_message.Message):
         launch: _builtins.str = ...,
         restart_count: _builtins.int = ...,
         takeover: _builtins.bool = ...,
+        position: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_job_seed", b"_job_seed", "job_seed", b"job_seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_job_seed", b"_job_seed", "group", b"group", "include_members", b"include_members", "job", b"job", "job_seed", b"job_seed", "launch", b"launch", "member_id", b"member_id", "member_secret", b"member_secret", "rank", b"rank", "restart_count", b"restart_count", "takeover", b"takeover", "timeout_ms", b"timeout_ms", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_job_seed", b"_job_seed", "group", b"group", "include_members", b"include_members", "job", b"job", "job_seed", b"job_seed", "launch", b"launch", "member_id", b"member_id", "member_secret", b"member_secret", "position", b"position", "rank", b"rank", "restart_count", b"restart_count", "takeover", b"takeover", "timeout_ms", b"timeout_ms", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__job_seed: _TypeAlias = _typing.Literal["job_seed"]  # noqa: Y015
     _WhichOneofArgType__job_seed: _TypeAlias = _typing.Literal["_job_seed", b"_job_seed"]  # noqa: Y015

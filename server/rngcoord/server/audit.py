@@ -74,6 +74,7 @@ KINDS = (
     "key",
     "floor",
     "resize",
+    "failover-gap",
 )
 
 

@@ -87,6 +87,8 @@ class JoinRequest:
         launch: which launch of the job the rank belongs to ("": no launch check).
         restart_count: the launch's torchelastic restart count.
         takeover: replace a live epoch of another launch.
+        position: where the member knows the group's grants reach (JoinGroupRequest.position);
+            an epoch it forms starts at or above it, a move audited as `failover-gap`.
     """
 
     job: str
@@ -102,6 +104,7 @@ class JoinRequest:
     launch: str = ""
     restart_count: int = 0
     takeover: bool = False
+    position: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -377,6 +380,9 @@ class Barriers:
             ):
                 outcomes.append(bad_credential(job, group, 0, r.rank))
                 continue
+            if r.position > high_water:
+                self._skip_gap(tx, r, high_water, now_us)
+                high_water = r.position
             if r.rank not in pending:
                 count += 1
             pending[r.rank] = (r.member_id, r.secret_hash)
@@ -442,6 +448,37 @@ class Barriers:
             queries.upsert_pending(tx, job, group, upserts)
         queries.set_barrier(tx, job, group, size, count)
         return outcomes, formed
+
+    def _skip_gap(self, tx: Tx, r: JoinRequest, high_water: int, now_us: int) -> None:
+        """Move the group's high-water mark up to where the joining member knows its grants
+        reach: the store lost grants that ranks still hold (docs/design.md §11.6), and the
+        epoch about to form must start past them."""
+        queries.set_high_water(tx, r.job, r.group, r.position)
+        self._chain.append(
+            tx,
+            ts_us=now_us,
+            job=r.job,
+            group=r.group,
+            kind="failover-gap",
+            actor=r.actor,
+            detail={
+                "from": high_water,
+                "to": r.position,
+                "rank": r.rank,
+                "member_id": r.member_id,
+            },
+        )
+        event(
+            _log,
+            logging.WARNING,
+            "failover_gap",
+            job=r.job,
+            group=r.group,
+            high_water=high_water,
+            position=r.position,
+            rank=r.rank,
+            member_id=r.member_id,
+        )
 
     def _in_use(
         self,

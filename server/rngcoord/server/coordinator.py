@@ -49,6 +49,7 @@ from rngcoord.server.resizes import Resizes
 from rngcoord.server.restores import Restores
 from rngcoord.server.store import ReadAhead, Store, StoreLost, Tx, row_reader
 from rngcoord.v1.rules import (
+    check_cursor,
     check_member_id,
     check_member_secret,
     check_name,
@@ -341,6 +342,7 @@ class Coordinator:
         launch: str = "",
         restart_count: int = 0,
         takeover: bool = False,
+        position: int = 0,
     ) -> JoinResult:
         """Join the group's barrier; return the epoch it forms once all ranks have joined.
 
@@ -365,6 +367,8 @@ class Coordinator:
             launch: which launch of the job the caller belongs to; "" (default) for no check.
             restart_count: the launch's torchelastic restart count. Default 0.
             takeover: replace the group's epoch even if another launch is using it.
+            position: where the caller knows the group's grants reach; an epoch it forms
+                starts at or above it (docs/design.md §11.6). Default 0.
 
         Raises:
             InvalidArgument: a malformed field.
@@ -382,6 +386,7 @@ class Coordinator:
             check_member_secret(member_secret)
             if job_seed is not None:
                 check_u64("job_seed", job_seed)
+            check_cursor(position, "position")
             if len(launch) > _MAX_LAUNCH:
                 raise InvalidArgument(
                     f"launch is {len(launch)} characters long; at most {_MAX_LAUNCH}",
@@ -402,6 +407,7 @@ class Coordinator:
             launch=launch,
             restart_count=restart_count,
             takeover=takeover,
+            position=position,
         )
         result = await self._barriers.join(request)
         if not include_members:

@@ -700,6 +700,14 @@ def insert_lease(
         )
 
 
+def set_high_water(tx: Tx, job: str, group: str, high_water: int) -> None:
+    """Move the group's high-water mark up to `high_water` (a failover gap, never down)."""
+    tx.write(
+        "UPDATE groups SET high_water = ? WHERE job = ? AND grp = ? AND high_water < ?",
+        (to_db(high_water), job, group, to_db(high_water)),
+    )
+
+
 def restore_cursor(tx: Tx, job: str, group: str, epoch: int, seq: int) -> int | None:
     row = tx.fetchone(
         'SELECT "cursor" FROM restores WHERE job = ? AND grp = ? AND epoch = ? AND seq = ?',

@@ -172,6 +172,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             launch=request.launch,
             restart_count=request.restart_count,
             takeover=request.takeover,
+            position=request.position,
         )
         reply = r.to_pb(include_members=request.include_members)
         reply.store_id = self._store_id

@@ -13,11 +13,14 @@ offset reused).
 - **the tables against the chain**, which every state change records: the job seeds; the
   group seeds (also against their derivation from the job seed); the epochs (start, world
   size, the digest of the member set, which is recomputed from the member rows); the high-water
-  mark of every group (the end of its last grant, or its floor); every restore row; every
-  floor; every lease row and grant record, one for one;
+  mark of every group (the end of its last grant, its floor, or a failover gap's end); every
+  restore row; every floor; every lease row and grant record, one for one;
 - **no overlap**: within each group no two grants overlap, except a grant at or after a
   Restore: a grant whose (epoch, seq) is at or after a restore record of the same epoch that
   precedes it in the chain may reuse offsets.
+
+Notes say what the checks cannot see: a tail cut without an anchor given, and each
+`failover-gap` record (offsets a failover lost, which nothing since was granted from).
 
 Problems are sentences naming the first record or row that disagrees; `VerifyReport.ok` is
 True when there are none. `rngcoord verify` prints the report.
@@ -269,6 +272,8 @@ def verify(
                     restores[rec.job, rec.group].append(
                         (rec.id, int(rec.detail["epoch"]), int(rec.detail["seq"]))
                     )
+                elif rec.kind == "failover-gap":
+                    notes.append(_gap_note(rec))
             except (KeyError, TypeError, ValueError) as exc:
                 problems.append(f"record {rec.id}: malformed {rec.kind} detail ({exc!r})")
             expected_id, prev_hash = rec.id + 1, rec.hash
@@ -289,6 +294,18 @@ def verify(
         notes.append(UNANCHORED_NOTE)
     return VerifyReport(
         not problems, checked, len(grants), len(snap.groups), problems, notes, bool(anchor_list)
+    )
+
+
+def _gap_note(rec: AuditRecord) -> str:
+    d = rec.detail
+    lo, hi = int(d["from"]), int(d["to"])
+    return (
+        f"record {rec.id}: failover gap in job {rec.job!r} group {rec.group!r}: offsets "
+        f"[{lo}, {hi}) were granted before and lost by the store (a failover that lost "
+        f"commits), as rank {int(d['rank'])} (member {str(d['member_id'])!r}) reported when it "
+        "joined; the group's high-water mark moved past them, and nothing since was granted "
+        "from them"
     )
 
 
@@ -329,6 +346,8 @@ class _Derived:
             )
         elif rec.kind == "floor":
             self.floors[key] = int(d["floor"])
+        elif rec.kind == "failover-gap":
+            self._raise(key, int(d["to"]), rec.id)
 
     def _raise(self, key: tuple[str, str], value: int, record: int) -> None:
         if value > self.high.get(key, (0, 0))[0]:

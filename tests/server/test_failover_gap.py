@@ -1,0 +1,110 @@
+"""A store that lost grants is moved past what its members report (docs/design.md §11.6).
+
+A real SQLite store loses its last grants the way a promoted standby under asynchronous
+replication does: an older copy of it comes back, consistent, only shorter. A coordinator that
+never saw the lost records serves it. Members that join report where they know the group's
+grants reach (JoinGroupRequest.position); the epoch they form starts past it, the move is
+audited as a `failover-gap` record, and `verify` names it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sqlite3
+from pathlib import Path
+
+from harness import (
+    TEST_JOB,
+    CountingStore,
+    InProcess,
+    LoopThread,
+    ManualClock,
+    form,
+    records,
+    reserve,
+    secret_for,
+)
+from rngcoord.server.sqlite import SqliteStore
+from rngcoord.server.verify import verify
+from rngcoord.v1.types import JoinResult
+
+
+def _open(db: Path) -> tuple[LoopThread, CountingStore, InProcess]:
+    loop = LoopThread()
+    store = CountingStore(SqliteStore(db, create=True))
+    return loop, store, InProcess(loop, store, ManualClock())
+
+
+def _close(loop: LoopThread, store: CountingStore, h: InProcess) -> None:
+    h.close()
+    store.close()
+    loop.close()
+
+
+def _join(h: InProcess, members: list[tuple[str, int]]) -> list[JoinResult]:
+    """Every rank of a new epoch of group "g" at once: (member id, position) by rank."""
+
+    async def all_ranks() -> list[JoinResult]:
+        return await asyncio.gather(
+            *(
+                h.coord.join(
+                    TEST_JOB,
+                    "g",
+                    rank=rank,
+                    world_size=len(members),
+                    member_id=member,
+                    member_secret=secret_for(member),
+                    timeout_s=10.0,
+                    actor=f"rank {rank}",
+                    position=position,
+                )
+                for rank, (member, position) in enumerate(members)
+            )
+        )
+
+    return h.run(all_ranks())
+
+
+def test_an_epoch_starts_past_the_grants_a_member_reports_and_the_gap_is_audited(
+    tmp_path: Path,
+) -> None:
+    db, older = tmp_path / "store.db", tmp_path / "older.db"
+    loop, store, h = _open(db)
+    form(h)
+    reserve(h, 0)
+    with sqlite3.connect(db) as live, sqlite3.connect(older) as copy:
+        live.backup(copy)
+    held = [reserve(h, seq) for seq in (1, 2)]  # [64, 128) and [128, 192): lost below
+    _close(loop, store, h)
+    for stale in db.parent.glob(db.name + "*"):
+        stale.unlink()
+    shutil.copy(older, db)
+
+    loop, store, h = _open(db)
+    try:
+        # The store lost both grants: a member that knows nothing would start at 64.
+        rank0_knows = held[-1].end
+        results = _join(h, [("m2", rank0_knows), ("m3", 0)])
+        assert {(r.epoch, r.start) for r in results} == {(2, rank0_knows)}
+        lease = reserve(h, 0, member="m2", epoch=2)
+        assert lease.start == rank0_knows  # nothing the lost store granted is granted again
+        (gap,) = records(h, "failover-gap")
+        assert (gap.job, gap.group) == (TEST_JOB, "g")
+        assert gap.detail == {"from": 64, "to": 192, "rank": 0, "member_id": "m2"}
+        report = verify(h.store)
+        assert report.ok, report.problems
+        assert any(
+            f"record {gap.id}: failover gap in job {TEST_JOB!r} group 'g': offsets [64, 192)"
+            in note
+            for note in report.notes
+        ), report.notes
+
+        # A position at or below the high-water mark is what every healthy join reports:
+        # nothing moves and nothing is recorded.
+        results = _join(h, [("m4", lease.end), ("m5", 4)])
+        assert {(r.epoch, r.start) for r in results} == {(3, lease.end)}
+        assert len(records(h, "failover-gap")) == 1
+        assert verify(h.store).ok
+    finally:
+        _close(loop, store, h)
