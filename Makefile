@@ -97,6 +97,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py

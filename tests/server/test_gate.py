@@ -21,7 +21,8 @@ import pytest
 
 from harness import CoordinatorFactory, CoordinatorProcess, secret_for
 from rngcoord.client.session import SessionStub
-from rngcoord.server.gate import PeerRateLimit, peer_host
+from rngcoord.server.addresses import peer_host
+from rngcoord.server.gate import PeerRateLimit
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.status import error_info
 

@@ -1,11 +1,11 @@
-"""Addresses and URLs as the server takes and prints them: HOST:PORT, and store URLs shown
-without their passwords."""
+"""Addresses and URLs as the server takes and prints them: HOST:PORT, the host of a gRPC
+peer, and store URLs shown without their passwords."""
 
 from __future__ import annotations
 
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
-__all__ = ["join_host_port", "redact_url", "split_host_port"]
+__all__ = ["join_host_port", "peer_host", "redact_url", "split_host_port"]
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -44,3 +44,11 @@ def redact_url(url: str) -> str:
         netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
     shown = "&".join(f"{k}={'***' if k == 'password' else v}" for k, v in query)
     return urlunsplit(parts._replace(netloc=netloc, query=shown))
+
+
+def peer_host(peer: str) -> str:
+    """The host part of a gRPC peer string: "ipv4:10.0.0.7:41234" -> "ipv4:10.0.0.7"."""
+    if peer.startswith("unix:"):
+        return "unix"
+    host, sep, port = peer.rpartition(":")
+    return host if sep and port.isdigit() else peer

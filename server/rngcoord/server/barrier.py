@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rngcoord.server import queries
+from rngcoord.server.addresses import peer_host
 from rngcoord.server.audit import Chain
 from rngcoord.server.clock import Clock
 from rngcoord.server.errors import CoordinatorError, FailedPrecondition, JoinTimeout
-from rngcoord.server.gate import peer_host
 from rngcoord.server.logs import event, get_logger
 from rngcoord.server.membership import bad_credential, rank_list
 from rngcoord.server.seeds import draw_job_seed, group_seed

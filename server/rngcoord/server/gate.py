@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from rngcoord.server.addresses import peer_host
 from rngcoord.server.auth import Identity, TokenTable
 from rngcoord.server.errors import ResourceExhausted
 from rngcoord.server.logs import event, get_logger
@@ -42,7 +43,6 @@ __all__ = [
     "RefusalLog",
     "StreamCaps",
     "current_identity",
-    "peer_host",
 ]
 
 SERVICE_PREFIX = f"/{pb.DESCRIPTOR.services_by_name['Coordinator'].full_name}/"
@@ -59,14 +59,6 @@ _REJECTION_LOGS_PER_S = 10.0
 def current_identity() -> Identity | None:
     """The identity the current call was admitted as; None when tokens are off."""
     return _identity.get()
-
-
-def peer_host(peer: str) -> str:
-    """The host part of a gRPC peer string: "ipv4:10.0.0.7:41234" -> "ipv4:10.0.0.7"."""
-    if peer.startswith("unix:"):
-        return "unix"
-    host, sep, port = peer.rpartition(":")
-    return host if sep and port.isdigit() else peer
 
 
 class PeerRateLimit:

@@ -25,8 +25,9 @@ from typing import Any, NoReturn
 import grpc
 from google.rpc import status_pb2
 
+from rngcoord.server.addresses import peer_host
 from rngcoord.server.errors import CoordinatorError, InvalidArgument
-from rngcoord.server.gate import StreamCaps, peer_host
+from rngcoord.server.gate import StreamCaps
 from rngcoord.server.logs import event, get_logger
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.status import HEAD_TRAILER, rich_status
