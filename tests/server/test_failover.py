@@ -28,6 +28,7 @@ from storm import JOB, Storm, check_agreement, check_read_back, check_verify
 
 import pg_clusters
 from harness import CoordinatorProcess, join_all, run_cli
+from rngcoord.client import CoordinatorClient
 from rngcoord.server.errors import Unavailable
 from rngcoord.server.postgres import PostgresStore
 from rngcoord.v1 import coordinator_pb2 as pb
@@ -92,7 +93,8 @@ def test_a_standby_that_lost_acknowledged_grants_is_refused_never_served(
     on being acknowledged: promoted, it lacks them. Every replica notices that the store went
     back in time (the audit record it saw committed is gone) before it grants from it, and
     refuses every call: no grant after the failover overlaps one acknowledged before it, and
-    no lost lease is answered as existing."""
+    no lost lease is answered as existing. A coordinator restarted on the promoted store
+    serves it, and the ranks that come back move each group past what they hold."""
     pair = pg_pair(synchronous=False)
     pair.create_database("rngcoord")
     db_url = pair.database_url("rngcoord")
@@ -139,7 +141,43 @@ def test_a_standby_that_lost_acknowledged_grants_is_refused_never_served(
             )  # fmt: skip
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "went back in time" in str(refused.value.details())
-    print(f"{len(lost)} acknowledged leases lost by the promotion; both replicas refused")
+    # A coordinator restarted on the promoted store, with no anchor file to tell it, serves
+    # it. The ranks that come back report where they know each group's grants reach (a
+    # tracker sends its checkpoint's cursor): each new epoch starts past every grant that was
+    # acknowledged before the failover, and each move is audited as a failover gap.
+    restarted = coordinator_factory(db_url)
+    reach: dict[str, int] = {}
+    for r in records:
+        reach[r["group"]] = max(reach.get(r["group"], 0), int(r["end"]))
+    lost_groups = {group for group, _, _ in lost}
+    with CoordinatorClient([restarted.address], deadline_s=10.0) as client:
+        for group, end in sorted(reach.items()):
+            member = f"back-{group}"
+            joined = client.join_group(
+                JOB, group, rank=0, world_size=1, member_id=member, position=end
+            )
+            assert joined.start == end if group in lost_groups else joined.start >= end
+            lease = client.reserve(
+                JOB, group, epoch=joined.epoch, seq=0, size=lease_size(0),
+                fingerprint=FINGERPRINT, rank=0, member_id=member,
+            )  # fmt: skip
+            overlapping = [
+                r for r in records
+                if r["group"] == group and r["start"] < lease.end and lease.start < r["end"]
+            ]  # fmt: skip
+            assert not overlapping, (lease, overlapping[:3])
+    audited = run_cli("audit", "--db", db_url, "--json", "--kind", "failover-gap")
+    assert audited.returncode == 0, audited.stderr
+    gaps = [json.loads(line) for line in audited.stdout.splitlines()]
+    assert {g["group"] for g in gaps} == lost_groups
+    assert all(g["detail"]["to"] == reach[g["group"]] for g in gaps)
+    verified = run_cli("verify", "--db", db_url)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert verified.stdout.count(": failover gap in job") == len(lost_groups)
+    print(
+        f"{len(lost)} acknowledged leases lost by the promotion; both replicas refused; "
+        f"{len(gaps)} groups moved past them on a restarted coordinator"
+    )
 
 
 def _health(replica: CoordinatorProcess) -> str:
