@@ -17,13 +17,14 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import psycopg
+
+from ports import free_port
 
 _BASE = Path("/usr/lib/postgresql")
 
@@ -47,12 +48,6 @@ def unavailable() -> str | None:
         except KeyError:
             return "running as root without a postgres user to run PostgreSQL as"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Cluster:
@@ -105,8 +100,8 @@ class PostgresPair:
         self._root = root = Path(tempfile.mkdtemp(prefix="rngcoord-pg-"))
         self._as_postgres = os.geteuid() == 0
         self._chown(root)
-        self.primary = Cluster(root / "primary", _free_port())
-        self.standby = Cluster(root / "standby", _free_port())
+        self.primary = Cluster(root / "primary", free_port())
+        self.standby = Cluster(root / "standby", free_port())
         self._run("initdb", "-D", str(self.primary.data), "-U", "postgres", "--auth=trust", "-N")
         conf = [
             "listen_addresses = '127.0.0.1'",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -34,12 +33,6 @@ LAUNCH_TIMEOUT_S = 150.0
 
 
 # -- launchers (test side) --------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -125,9 +118,11 @@ def start_gloo(
     """Start ``program`` on ``world`` gloo ranks, one subprocess each. With ``run_id``, as
     attempt ``restart`` of a torchelastic run (TORCHELASTIC_RUN_ID, _RESTART_COUNT): a later
     attempt of the same run takes its job over at once (docs/design.md §7.1, launches)."""
+    from ports import free_port  # test side only: the ranks run this file without tests/
+
     outdir.mkdir(parents=True, exist_ok=True)
     env = _child_env()
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
     if run_id is not None:
         env.update(TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT=str(restart))
     procs, logs = [], []

@@ -4,7 +4,6 @@ environment."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import threading
 import time
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from ports import closed_address
 from rngcoord.client import (
     AuthenticationError,
     CoordinatorClient,
@@ -26,14 +26,8 @@ from rngcoord.client import (
 from rngcoord.v1.types import members_digest
 
 
-def _closed_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
 def test_fails_over_to_the_next_target(coordinator: Any) -> None:
-    with CoordinatorClient([_closed_port(), coordinator.address], backoff_s=0.01) as client:
+    with CoordinatorClient([closed_address(), coordinator.address], backoff_s=0.01) as client:
         joined = client.join_group(
             "failover", "g", rank=0, world_size=1, member_id="m0", job_seed=9, include_members=True
         )
@@ -125,7 +119,7 @@ def test_joins_of_one_epoch_agree(coordinator: Any) -> None:
 
 
 def test_unreachable_coordinator_gives_a_bounded_wait_and_advice() -> None:
-    targets = [_closed_port(), _closed_port()]
+    targets = [closed_address(), closed_address()]
     client = CoordinatorClient(targets, deadline_s=1.0, outage_s=1.5, backoff_s=0.01)
     started = time.monotonic()
     with client, pytest.raises(CoordinatorUnavailable) as raised:
@@ -164,7 +158,7 @@ def test_a_process_keeps_one_channel_per_target(coordinator: Any) -> None:
     # Every tracker and group of a process (thread-ranks included) shares one channel, hence
     # one connection, per coordinator; the last client to close closes it.
     first = CoordinatorClient(coordinator.address)
-    second = CoordinatorClient([coordinator.address, _closed_port()])
+    second = CoordinatorClient([coordinator.address, closed_address()])
     assert first._channels[0] is second._channels[0]
     first.close()
     first.close()  # idempotent: releases once

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import doctest
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ports import free_port
 from rngcoord.client.install import choose_device_type
 
 RANK_PROGRAM = textwrap.dedent(
@@ -51,17 +51,11 @@ RANK_PROGRAM = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_ranks(tmp_path: Path, extra_env: dict[str, str], program: str = RANK_PROGRAM) -> list[str]:
     script = tmp_path / "rank.py"
     script.write_text(program)
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "WORLD_SIZE")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
     env.update(extra_env)
     procs = [
         subprocess.Popen(

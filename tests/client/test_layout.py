@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from ports import free_port
 from rngcoord.client.groups import invariant_group, stream_group
 from rngcoord.client.tracker import shard_offsets
 
@@ -38,10 +38,7 @@ def world_of_one() -> Iterator[None]:
     if dist.is_initialized():
         yield
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         yield

@@ -7,13 +7,14 @@ install() fails because nothing listens at the coordinator address.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -36,17 +37,11 @@ _PROGRAM = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_ranks(tmp_path: Path, mode: str, debug: bool = False) -> list[str]:
     program = tmp_path / "program.py"
     program.write_text(_PROGRAM)
-    dead = f"127.0.0.1:{_free_port()}"  # nothing listens here
-    master = str(_free_port())
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens here
+    master = str(free_port())
     procs = []
     for rank in range(2):
         env = dict(

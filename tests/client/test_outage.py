@@ -22,20 +22,13 @@ from typing import Any
 import pytest
 
 from harness import CoordinatorProcess, run_cli
+from ports import closed_address
 from rngcoord.client import CoordinatorClient, CoordinatorUnavailable, LeaseManager
 from rngcoord.client.leases import LeaseSchedule
 from rngcoord.v1.types import JoinResult
 
 # Small leases, so that the ops below need new ones during the outage.
 SCHEDULE = LeaseSchedule(min_size=64, op_factor=2, growth=2, max_size=1 << 9)
-
-
-def _closed_port() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def _join(clients: list[CoordinatorClient], job: str, group: str) -> list[JoinResult]:
@@ -287,7 +280,7 @@ def test_install_fails_fast_on_a_wrong_address_or_token(
     tokens = tmp_path / "tokens"
     tokens.write_text("trainer member probe s3cret\n")
     server = coordinator_factory(args=("--tokens", str(tokens)))
-    closed = _closed_port()
+    closed = closed_address()
     wrong_address = _install(closed, "s3cret", 3.0)
     assert wrong_address["error"] == "CoordinatorUnavailable"
     assert closed in wrong_address["message"] and "RNGCOORD_ADDR" in wrong_address["message"]

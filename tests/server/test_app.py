@@ -8,7 +8,6 @@ certificates made by the openssl CLI, SIGTERM).
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import threading
 import time
@@ -22,6 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness import CoordinatorFactory, CoordinatorProcess, join_all, secret_for, wait_for_group
+from ports import free_port
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -95,9 +95,7 @@ def test_metrics_count_grants_hits_divergences_and_errors(
 def test_workers_share_the_port_and_their_metrics(
     coordinator_factory: CoordinatorFactory,
 ) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        metrics_port = s.getsockname()[1]
+    metrics_port = free_port()
     server = coordinator_factory(args=["--workers", "2", "--metrics", f"127.0.0.1:{metrics_port}"])
     pids = {e["fields"]["pid"] for e in server.log_events() if e["event"] == "serving"}
     assert len(pids) == 2, "two worker processes serve"
