@@ -485,6 +485,9 @@ class CountingStore:
     def check_identity(self) -> None:
         self.inner.check_identity()
 
+    def went_back_to(self, record_id: int, record_hash: str) -> None:
+        self.inner.went_back_to(record_id, record_hash)
+
     def saw_head(self, record_id: int, record_hash: str) -> None:
         self.inner.saw_head(record_id, record_hash)
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import shutil
 import sqlite3
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from harness import (
     TEST_JOB,
+    CoordinatorProcess,
     CountingStore,
     InProcess,
     LoopThread,
@@ -23,11 +26,14 @@ from harness import (
     form,
     records,
     reserve,
+    run_cli,
     secret_for,
 )
+from rngcoord.client import CoordinatorClient
+from rngcoord.server.anchors import read_anchor_files
 from rngcoord.server.sqlite import SqliteStore
 from rngcoord.server.verify import verify
-from rngcoord.v1.types import JoinResult
+from rngcoord.v1.types import JoinResult, Lease
 
 
 def _open(db: Path) -> tuple[LoopThread, CountingStore, InProcess]:
@@ -108,3 +114,66 @@ def test_an_epoch_starts_past_the_grants_a_member_reports_and_the_gap_is_audited
         assert verify(h.store).ok
     finally:
         _close(loop, store, h)
+
+
+def test_a_running_server_serves_a_store_that_went_back_and_restarts_on_it(
+    coordinator_factory: Callable[..., CoordinatorProcess], tmp_path: Path
+) -> None:
+    """A real `serve` on SQLite, whose file gets an older copy of itself written into it (the
+    same file, as a promoted standby is the same database): the server notices the lost
+    records, audits a `rewind` and serves the store as it now is. Lost leases asked again get
+    the ranges they had; an epoch formed afterwards starts past what its member reports; and
+    the server starts again on its own anchor file, whose anchors of the lost records the
+    rewind record accounts for, as `verify --anchor` does."""
+    server = coordinator_factory()
+    db = Path(server.db_url.removeprefix("sqlite:///"))
+    anchors = db.with_name(db.name + ".anchors.jsonl")
+    older = tmp_path / "older.db"
+    with CoordinatorClient([server.address], deadline_s=10.0, outage_s=30.0) as client:
+        joined = client.join_group("rewound", "g", rank=0, world_size=1, member_id="r0")
+
+        def lease(seq: int, member: str = "r0", epoch: int = joined.epoch) -> Lease:
+            return client.reserve(
+                "rewound", "g", epoch=epoch, seq=seq, size=64, fingerprint=b"ops", rank=0,
+                member_id=member,
+            )  # fmt: skip
+
+        lease(0)
+        with sqlite3.connect(db) as live, sqlite3.connect(older) as copy:
+            live.backup(copy)
+        held = [lease(1), lease(2)]
+        deadline = time.monotonic() + 30  # the server anchors the head it moved to each second
+        while _newest_anchor(anchors) < _head_id(db):
+            assert time.monotonic() < deadline, "no anchor of the newest head"
+            time.sleep(0.1)
+        with sqlite3.connect(older) as copy, sqlite3.connect(db) as live:
+            copy.backup(live)
+        deadline = time.monotonic() + 30
+        while not [e for e in server.log_events() if e["event"] == "store_rewound_served"]:
+            assert time.monotonic() < deadline, server.output()[-3000:]
+            time.sleep(0.1)
+        # Asked again, the lost leases are granted anew from their predecessors: the same
+        # ranges, which the ranks already hold.
+        again = [lease(1), lease(2)]
+        assert [(x.start, x.end) for x in again] == [(x.start, x.end) for x in held]
+        back = client.join_group(
+            "rewound", "g", rank=0, world_size=1, member_id="r1", position=held[-1].end
+        )
+        assert back.start == held[-1].end
+    server.kill()
+    server.restart()  # its anchor file names records the store lost: the rewind explains them
+    report = run_cli("verify", "--db", server.db_url, "--anchor", str(anchors))
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "the store went back in time" in report.stdout
+    assert "failover gap in job 'rewound' group 'g'" not in report.stdout  # its grants came back
+    with CoordinatorClient([server.address], deadline_s=10.0) as client:
+        assert client.join_group("rewound", "g", rank=0, world_size=1, member_id="r2").epoch
+
+
+def _newest_anchor(path: Path) -> int:
+    return max((int(a["id"]) for a in read_anchor_files([path], missing_ok=True)), default=0)
+
+
+def _head_id(db: Path) -> int:
+    with sqlite3.connect(db) as raw:
+        return int(raw.execute("SELECT last_id FROM audit_head").fetchone()[0])

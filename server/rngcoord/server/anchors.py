@@ -27,6 +27,7 @@ __all__ = [
     "last_anchored_id",
     "read_anchor_files",
     "read_anchors",
+    "rewound_range",
 ]
 
 
@@ -155,8 +156,9 @@ def check_store(
         _check_signature(anchor, chain, store.location)
     ids = sorted({int(a["id"]) for a in own})
 
-    def read(tx: Tx) -> tuple[int, dict[int, str]]:
+    def read(tx: Tx) -> tuple[int, dict[int, str], list[tuple[int, int]]]:
         head = tx.fetchone("SELECT last_id FROM audit_head WHERE id = 1")
+        rewinds = [rewound_range(json.loads(d)) for (d,) in tx.fetchall(_REWINDS, ())]
         hashes: dict[int, str] = {}
         for i in range(0, len(ids), _IDS_PER_QUERY):
             chunk = ids[i : i + _IDS_PER_QUERY]
@@ -165,9 +167,9 @@ def check_store(
                 f"SELECT id, hash FROM audit WHERE id IN ({marks})", chunk
             ):
                 hashes[int(record_id)] = str(record_hash)
-        return (0 if head is None else int(head[0])), hashes
+        return (0 if head is None else int(head[0])), hashes, rewinds
 
-    last_id, stored = store.read(read)
+    last_id, stored, rewinds = store.read(read)
     # Every anchor, not only the newest: a store that went back in time and then went on
     # (a database failover that lost commits, under servers that kept writing) has newest
     # anchors that match it; the anchors of the lost records do not. The lowest that
@@ -175,8 +177,8 @@ def check_store(
     for anchor in sorted(own, key=lambda a: int(a["id"])):
         record_id, record_hash = int(anchor["id"]), str(anchor["hash"])
         found = stored.get(record_id)
-        if found == record_hash:
-            continue
+        if found == record_hash or any(lo < record_id <= hi for lo, hi in rewinds):
+            continue  # in the chain, or one of the records a recorded rewind lost
         where = f"anchor {anchor.get('source')} (record {record_id}, hash {record_hash[:16]}...)"
         if found is None:
             raise StoreRolledBack(
@@ -193,6 +195,16 @@ def check_store(
             "from there (edited, or rolled back by a database failover that lost commits and "
             "then written on). Check it with `rngcoord verify --anchor`"
         )
+
+
+_REWINDS = "SELECT detail FROM audit WHERE job = '' AND grp = '' AND kind = 'rewind'"
+"""The `rewind` records (the (job, grp) index finds them among the few job-less records)."""
+
+
+def rewound_range(detail: dict[str, Any]) -> tuple[int, int]:
+    """The record ids (lo, hi] that a `rewind` record says the store lost: after the chain
+    end it went back to, up to the newest record the server had seen committed."""
+    return int(detail["chain_end"]), int(detail["lost_id"])
 
 
 _IDS_PER_QUERY = 500

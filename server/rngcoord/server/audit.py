@@ -75,6 +75,7 @@ KINDS = (
     "floor",
     "resize",
     "failover-gap",
+    "rewind",
 )
 
 

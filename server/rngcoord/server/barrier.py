@@ -136,7 +136,7 @@ class Barriers:
         clock: the time source.
         on_formed: called with (job, group, epoch) when this process forms an epoch, before
             its waiters wake (the coordinator drops its cached state of the group).
-        on_lost: called with the reason when a batch finds the store lost (`StoreLost`), so
+        on_lost: called with the `StoreLost` error when a batch finds the store lost, so
             that the coordinator stops serving it.
         chain: how audit records are hashed.
     """
@@ -147,7 +147,7 @@ class Barriers:
         read: Callable[[Callable[[Tx], T]], Awaitable[T]],
         clock: Clock,
         on_formed: Callable[[str, str, int], None],
-        on_lost: Callable[[str], None],
+        on_lost: Callable[[StoreLost], None],
         chain: Chain,
     ) -> None:
         self._store = store
@@ -234,7 +234,7 @@ class Barriers:
                     )
                 except Exception as exc:  # the store failed: every join of the batch fails
                     if isinstance(exc.__cause__, StoreLost):
-                        self._on_lost(str(exc.__cause__))
+                        self._on_lost(exc.__cause__)
                     for _, decided in batch:
                         if not decided.done():
                             decided.set_exception(exc)

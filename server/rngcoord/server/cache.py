@@ -55,6 +55,9 @@ class Bounded(Generic[K, V]):
     def drop(self, key: K) -> None:
         self._entries.pop(key, None)
 
+    def clear(self) -> None:
+        self._entries.clear()
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -90,3 +93,8 @@ class Cache:
         self.members: Bounded[tuple[str, str, int, int], Member] = Bounded(members)
         self.groups: Bounded[tuple[str, str], GroupState] = Bounded(groups)
         self.attestations: Bounded[AttestationKey, bytes] = Bounded(attestations)
+
+    def clear(self) -> None:
+        """Forget everything: the store this memory described went back in time."""
+        for bounded in (self.leases, self.members, self.groups, self.attestations):
+            bounded.clear()

@@ -47,7 +47,7 @@ from rngcoord.server.membership import (
 )
 from rngcoord.server.resizes import Resizes
 from rngcoord.server.restores import Restores
-from rngcoord.server.store import ReadAhead, Store, StoreLost, Tx, row_reader
+from rngcoord.server.store import ReadAhead, Store, StoreLost, StoreRewound, Tx, row_reader
 from rngcoord.v1.rules import (
     check_cursor,
     check_member_id,
@@ -160,6 +160,11 @@ class Coordinator:
         self._feed_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._lost: str | None = None
+        # Taking a store that went back in time as it is now (§11.6); None when not at it.
+        self._rewind_task: asyncio.Task[None] | None = None
+        # The lost heads already taken care of: a check that read the known head before the
+        # recovery reset it may report the same loss once more, after it.
+        self._rewound: set[tuple[int, str]] = set()
         self._write_failure: str | None = None
         # Why the latest store check failed (the database unreachable), or None once one passes.
         self._check_failure: str | None = None
@@ -173,8 +178,10 @@ class Coordinator:
     @property
     def lost(self) -> str | None:
         """Why the store is gone or replaced (found by the watch, or by a write); None while
-        it is the store this coordinator opened. Once set, it stays: the server refuses every
-        call until it is restarted on the right store."""
+        it is the store this coordinator opened. Once set, it stays, and the server refuses
+        every call until it is restarted on the right store; except for a store that went
+        back in time (`StoreRewound`), which is refused only until this process has taken
+        it as it now is (docs/design.md §11.6)."""
         return self._lost
 
     @property
@@ -252,7 +259,7 @@ class Coordinator:
             try:
                 await loop.run_in_executor(self._readers, self._store.check_identity)
             except StoreLost as exc:
-                self._store_lost(str(exc))
+                self._store_lost(exc)
             except Exception as exc:
                 # The database is down (or no primary answers yet after a failover): health
                 # says so even while no write comes to find out, and turns SERVING again by
@@ -263,10 +270,64 @@ class Coordinator:
             else:
                 self._check_failure = None
 
-    def _store_lost(self, why: str) -> None:
+    def _store_lost(self, exc: StoreLost) -> None:
+        if isinstance(exc, StoreRewound) and exc.known in self._rewound:
+            return
         if self._lost is None:
-            self._lost = why
-            event(_log, logging.ERROR, "store_lost", reason=why, store_id=self._store.store_id)
+            self._lost = str(exc)
+            event(_log, logging.ERROR, "store_lost", reason=str(exc), store_id=self._store.store_id)
+            if isinstance(exc, StoreRewound):
+                self._rewind_task = asyncio.get_running_loop().create_task(self._serve_rewound(exc))
+
+    async def _serve_rewound(self, exc: StoreRewound) -> None:
+        """Take a store that went back in time as it now is, and serve it again (§11.6).
+
+        Every call is refused meanwhile. What this process believed about the lost records
+        goes (its memory of grants, members and groups; its feed's position; the newest head
+        it knew), and a `rewind` record names the lost head and where the chain ended. Then
+        the store is served from there: a lease asked again within its epoch is granted anew
+        from its predecessor, as it was before, and an epoch formed from now on starts past
+        what its members report (JoinGroupRequest.position). Tried again every second while
+        the store cannot be written (a primary still being promoted).
+        """
+        while True:
+            try:
+                head: tuple[int, str] = await self._read(queries.audit_head)
+                self._store.went_back_to(*head)
+                self._feed.restart_at(head)
+                self._head, self._anchor = head, ""
+                self._cache.clear()
+                detail = {"lost_id": exc.known[0], "lost_hash": exc.known[1], "chain_end": head[0]}
+                await self._write(functools.partial(self._append_rewind, detail=detail))
+            except Exception as failed:
+                event(_log, logging.WARNING, "rewind_retry", error=str(failed))
+                await asyncio.sleep(1.0)
+                continue
+            break
+        self._rewound.add(exc.known)
+        self._lost = None
+        self._rewind_task = None
+        event(
+            _log,
+            logging.WARNING,
+            "store_rewound_served",
+            lost_id=exc.known[0],
+            chain_end=detail["chain_end"],
+            store_id=self._store.store_id,
+        )
+        if self._watch_task is None or self._watch_task.done():
+            self._watch_task = asyncio.get_running_loop().create_task(self._watch_store())
+
+    def _append_rewind(self, tx: Tx, *, detail: dict[str, object]) -> None:
+        self._chain.append(
+            tx,
+            ts_us=self._clock.now_us(),
+            job="",
+            group="",
+            kind="rewind",
+            actor="coordinator",
+            detail=detail,
+        )
 
     async def _read(self, fn: Callable[[Tx], T]) -> T:
         if self._inline_reads:
@@ -285,7 +346,7 @@ class Coordinator:
         except Unavailable as exc:
             self._write_failure = exc.message
             if isinstance(exc.__cause__, StoreLost):
-                self._store_lost(str(exc.__cause__))
+                self._store_lost(exc.__cause__)
             raise
         self._write_failure = None
         return result

@@ -138,6 +138,12 @@ class Feed:
 
             self._stop_listening = self._store.listen(notified)
 
+    def restart_at(self, head: tuple[int, str]) -> None:
+        """Follow the chain from `head` on: the store went back in time to it, and the
+        records after it are new ones, not the ones seen before."""
+        self._position = head[0]
+        self._version = None
+
     async def stop(self) -> None:
         """Stop listening for notifications (the listener thread ends off the loop)."""
         stop, self._stop_listening = self._stop_listening, None

@@ -708,6 +708,10 @@ class PostgresStore:
         if found != self.store_id:
             raise StoreLost(f"the database {self.url} now holds another store ({found})")
 
+    def went_back_to(self, record_id: int, record_hash: str) -> None:
+        """See `Store.went_back_to`."""
+        self._known.reset(record_id, record_hash)
+
     def saw_head(self, record_id: int, record_hash: str) -> None:
         """See `Store.saw_head`; ignored under synchronous replication (`_reads_acknowledged`)."""
         if self._reads_acknowledged():

@@ -206,6 +206,10 @@ class SqliteStore:
         if self.read(identity_reader(self.store_id, self._known)) != self.store_id:
             raise StoreLost(f"the store at {self.path} now has another store id")
 
+    def went_back_to(self, record_id: int, record_hash: str) -> None:
+        """See `Store.went_back_to`."""
+        self._known.reset(record_id, record_hash)
+
     def saw_head(self, record_id: int, record_hash: str) -> None:
         """See `Store.saw_head`."""
         self._known.saw(record_id, record_hash)

@@ -74,8 +74,16 @@ class StoreRewound(StoreLost):
     """The store a running server writes to no longer holds an audit record that the server
     saw committed: the database failed over to a standby that had not received it
     (asynchronous replication), or an older copy was put back in place. Grants acknowledged
-    with those records may be gone, and serving on could grant their offsets again
-    (docs/design.md §11.6)."""
+    with those records may be gone (docs/design.md §11.6).
+
+    Args:
+        message: what happened, for the log and the callers.
+        known: (record id, hash) of the newest record this process saw committed, now gone.
+    """
+
+    def __init__(self, message: str, known: tuple[int, str]) -> None:
+        super().__init__(message)
+        self.known = known
 
 
 class KnownHead:
@@ -108,6 +116,11 @@ class KnownHead:
         if record_id > self._head[0]:
             self._head = (record_id, record_hash)
 
+    def reset(self, record_id: int, record_hash: str) -> None:
+        """Take (record_id, record_hash) as the newest head: the store went back in time to
+        it, and this process goes on from there (docs/design.md §11.6)."""
+        self._head = (record_id, record_hash)
+
     def check(self, last_id: int, hash_at_known: str | None, known: tuple[int, str]) -> None:
         """Raise `StoreRewound` unless the store still holds `known`, the head this process
         knew when it read the store.
@@ -129,10 +142,10 @@ class KnownHead:
             f"the store at {self._location} went back in time: this server saw audit record "
             f"{known_id} (hash {known_hash[:12]}...) committed, and {where}. A database "
             "failover to a standby that had not received every commit (asynchronous "
-            "replication), or an older copy put in its place, loses acknowledged grants; "
-            "serving on could grant their offsets again, so this server refuses every call. "
-            "Run PostgreSQL with synchronous replication (docs/operations.md), and see "
-            "docs/design.md §11.6 for what to do now"
+            "replication), or an older copy put in its place, loses acknowledged grants. "
+            "Run PostgreSQL with synchronous replication (docs/operations.md); "
+            "docs/design.md §11.6 says what the server does now",
+            known,
         )
 
 
@@ -257,6 +270,11 @@ class Store(Protocol):
         """The store committed the audit chain up to `record_id` (seen by the change feed,
         which follows every replica's commits): from now on, a store without that record is
         one that went back in time (`KnownHead`)."""
+        ...
+
+    def went_back_to(self, record_id: int, record_hash: str) -> None:
+        """The store went back in time to the chain head (record_id, record_hash), and this
+        process serves it from there on: the newest head it knows is that one now."""
         ...
 
     def read(self, fn: Callable[[Tx], T]) -> T:

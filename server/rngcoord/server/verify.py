@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rngcoord.server import audit
+from rngcoord.server.anchors import rewound_range
 from rngcoord.server.seeds import group_seed
 from rngcoord.server.store import Store, Tx, from_db
 from rngcoord.v1.types import AuditRecord, members_digest
@@ -239,6 +240,7 @@ def verify(
     # (job, group) -> [(record id, epoch, seq)] of restore records, in chain order.
     restores: dict[tuple[str, str], list[tuple[int, int, int]]] = defaultdict(list)
     derived = _Derived()
+    rewinds: list[tuple[int, int]] = []  # record ids (lo, hi] that a rewind record says were lost
     hashes: dict[int, str] = {}
     anchor_list = list(anchors)
     wanted = {int(a["id"]) for a in anchor_list if isinstance(a.get("id"), int)}
@@ -274,6 +276,9 @@ def verify(
                     )
                 elif rec.kind == "failover-gap":
                     notes.append(_gap_note(rec))
+                elif rec.kind == "rewind":
+                    rewinds.append(rewound_range(rec.detail))
+                    notes.append(_rewind_note(rec))
             except (KeyError, TypeError, ValueError) as exc:
                 problems.append(f"record {rec.id}: malformed {rec.kind} detail ({exc!r})")
             expected_id, prev_hash = rec.id + 1, rec.hash
@@ -286,7 +291,7 @@ def verify(
             f"{snap.last_hash[:16]}..., but it ends at record {expected_id - 1} with hash "
             f"{prev_hash[:16]}..."
         )
-    problems += _check_anchors(anchor_list, chain, store_id, snap.last_id, hashes, key)
+    problems += _check_anchors(anchor_list, chain, store_id, snap.last_id, hashes, key, rewinds)
     problems += derived.compare(snap)
     problems += _check_leases(grants, snap.leases)
     problems += _check_overlaps(grants, restores)
@@ -294,6 +299,17 @@ def verify(
         notes.append(UNANCHORED_NOTE)
     return VerifyReport(
         not problems, checked, len(grants), len(snap.groups), problems, notes, bool(anchor_list)
+    )
+
+
+def _rewind_note(rec: AuditRecord) -> str:
+    lo, hi = rewound_range(rec.detail)
+    return (
+        f"record {rec.id}: the store went back in time: a server had seen record {hi} "
+        f"committed, and the chain then ended at record {lo} (a failover that lost commits); "
+        f"records {lo + 1} to {hi} as they were are gone, with what they granted, and anchors "
+        "naming them are not counted against the chain. Epochs formed since start past "
+        "what their members reported (failover-gap records)"
     )
 
 
@@ -432,6 +448,7 @@ def _check_anchors(
     last_id: int,
     hashes: dict[int, str],
     key: bytes | None,
+    rewinds: list[tuple[int, int]],
 ) -> list[str]:
     problems: list[str] = []
     for anchor in anchors:
@@ -448,6 +465,8 @@ def _check_anchors(
             if not hmac.compare_digest(mac, str(anchor.get("mac", ""))):
                 problems.append(f"{where}: its signature does not match (forged or another key)")
                 continue
+        if hashes.get(record_id) != record_hash and any(lo < record_id <= hi for lo, hi in rewinds):
+            continue  # a record the store lost, as a rewind record says (a note names it)
         if record_id > last_id:
             problems.append(
                 f"{where} names record {record_id}, but the chain ends at record {last_id}: "
