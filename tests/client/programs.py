@@ -637,6 +637,28 @@ def rewound(ctx: Ctx) -> dict[str, Any]:
 
 
 @program
+def replica(ctx: Ctx) -> dict[str, Any]:
+    """One replica of job ``job``: a 1-D "tp" mesh of the ranks, installed as replica
+    ``replica`` (None: from REPLICA_GROUP_ID, as torchft sets it), three sharded and three
+    replicated draws. Returns the groups (name -> epoch) and the local values."""
+    import torch.distributed.tensor as dt
+    from torch.distributed.tensor import Replicate, Shard
+
+    from rngcoord.client import init_mesh, install
+
+    mesh = init_mesh((ctx.world,), ("tp",), "cpu")
+    tracker = install(
+        mesh, ctx.args["addr"], job=ctx.args["job"], seed=11, lease_size=64,
+        replica=ctx.args.get("replica"),
+    )  # fmt: skip
+    sharded = [dt.rand((8,), device_mesh=mesh, placements=[Shard(0)]).to_local() for _ in range(3)]
+    replicated = [dt.rand((4,), device_mesh=mesh, placements=[Replicate()]).to_local()]
+    groups = {name: m.epoch for name, m in tracker.leases.items()}
+    tracker.close()
+    return {"groups": groups, "sharded": sharded, "replicated": replicated}
+
+
+@program
 def joined_ahead(ctx: Ctx) -> dict[str, Any]:
     """The op program's first half on a 2x2 mesh in two jobs of one root seed: "<p>-lazy"
     joins each group at its first op, "<p>-ahead" joins the mesh and its "tp" sub-mesh first,

@@ -220,8 +220,29 @@ def invariant_group(
     return GroupSpec(name=name, rank=bisect.bisect_left(ranks, global_rank), world_size=len(ranks))
 
 
-_INVARIANT_NAME = re.compile(r"invariant(\[[^\]]*\])?(/seed:\d+)?")
-_MESH_NAME = re.compile(r"(?:all@)?(?P<dims>[^\[]*)\[(?P<ranks>[0-9.\-]+)\](?:/seed:\d+)?")
+_INVARIANT_NAME = re.compile(r"invariant(\[[^\]]*\])?(/replica:[A-Za-z0-9._-]+)?(/seed:\d+)?")
+_MESH_NAME = re.compile(
+    r"(?:all@)?(?P<dims>[^\[]*)\[(?P<ranks>[0-9.\-]+)\](?:/replica:[A-Za-z0-9._-]+)?(?:/seed:\d+)?"
+)
+
+
+REPLICA_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,47}")
+"""Replica names (install's ``replica``, torchft's REPLICA_GROUP_ID): 1 to 48 characters."""
+
+
+def replica_name(name: str, replica: str) -> str:
+    """The name of group ``name`` among replica ``replica``'s groups: ``name`` with
+    ``/replica:<replica>`` appended, or a digest of ``name`` where that would be too long for
+    the contract's name rule. Each replica of a job draws from groups of its own, whose seeds
+    differ (they derive from the group name).
+
+    >>> replica_name("dp:2,tp:2[0-3]", "1")
+    'dp:2,tp:2[0-3]/replica:1'
+    """
+    suffix = f"/replica:{replica}"
+    if NAME_PATTERN.fullmatch(name + suffix):
+        return name + suffix
+    return f"sha:{hashlib.sha256(name.encode()).hexdigest()[:32]}{suffix}"
 
 
 def policy_of(name: str) -> str:
@@ -241,6 +262,8 @@ def mesh_of_name(name: str) -> tuple[tuple[str, ...], tuple[int, ...], list[int]
     >>> mesh_of_name("dp:2,tp:2[0-3]")
     (('dp', 'tp'), (2, 2), [0, 1, 2, 3])
     >>> mesh_of_name("tp:2[0-1]/seed:7")
+    (('tp',), (2,), [0, 1])
+    >>> mesh_of_name("tp:2[0-1]/replica:1")
     (('tp',), (2,), [0, 1])
     """
     match = _MESH_NAME.fullmatch(name)

@@ -51,6 +51,7 @@ def install(
     trace: str | os.PathLike[str] | None = None,
     takeover: bool = False,
     attest_min_s: float = ATTEST_MIN_S,
+    replica: str | None = None,
 ) -> OffsetBasedRNGTracker:
     """Make DTensor random ops on this rank draw from coordinator leases.
 
@@ -122,6 +123,15 @@ def install(
             attestations do not grow with the draw rate. Ranks that ran different ops are
             caught within 1,024 ops or about twice this many seconds of drawing, whichever
             comes later (docs/design.md §6.1); 0 attests every 1,024 ops. Default 30.0.
+        replica: The replica group this process belongs to, in a job of several replicas
+            that train the same model side by side (torchft). Each replica's groups are its
+            own (``/replica:<replica>`` in their names), with seeds of their own, so replicas
+            draw different masks. A new process of a replica takes over that replica's
+            groups as a new epoch at once (its launch is the replica,
+            ``replica:<job>/<replica>`` unless RNGCOORD_LAUNCH names one), never another
+            replica's. Default ``None``: the REPLICA_GROUP_ID environment variable that
+            torchft's launchers set, else none.
+
     While installed, ``torch.distributed.tensor._random.manual_seed(seed, mesh)``, however it
     was imported, makes the draws that follow those of a fresh job with the root seed and the
     seed's base (:meth:`OffsetBasedRNGTracker.manual_seed`); ``torch.manual_seed`` does not
@@ -153,6 +163,8 @@ def install(
             "install() needs torch.distributed initialised: call rngcoord.client.init_mesh() "
             "or torch.distributed.init_process_group() first"
         )
+    if replica is None:
+        replica = os.environ.get("REPLICA_GROUP_ID", "").strip() or None
     if outage_s is None:
         outage_s = _env_outage_s()
     client = CoordinatorClient(
@@ -166,6 +178,10 @@ def install(
         session=True,
     )
     client.launch, client.restart_count = launch_id()
+    if replica is not None and not os.environ.get("RNGCOORD_LAUNCH", "").strip():
+        # A replica's groups are only its own: whatever launched its new process (a fresh
+        # torchrun, with another run id and rendezvous port), it is the replica's launch.
+        client.launch, client.restart_count = f"replica:{job}/{replica}", 0
     client.takeover = takeover
     try:
         # Fail fast on a wrong address or token, rather than at the first random op.
@@ -184,6 +200,7 @@ def install(
             compiled_random_ops=compiled_random_ops,
             trace=trace,
             attest_min_s=attest_min_s,
+            replica=replica,
         )
     except BaseException:
         client.close()

@@ -101,11 +101,13 @@ from rngcoord.client.errors import (
     StoreMismatchError,
 )
 from rngcoord.client.groups import (
+    REPLICA_PATTERN,
     GroupSpec,
     invariant_group,
     is_split_dim,
     mesh_of_name,
     policy_of,
+    replica_name,
     shared_group,
     stream_group,
 )
@@ -938,6 +940,10 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
             see :class:`RNGStateTracker`. Default ``None``.
         attest_min_s: Attest about this often at most; see
             :class:`~rngcoord.client.leases.LeaseManager`. Default 30.0.
+        replica: The replica group this process belongs to (a torchft replica): its groups
+            are its own, named with ``/replica:<replica>``, so that same-shaped meshes of
+            different replicas never share a group, and their seeds differ. Default
+            ``None``: no replica.
     """
 
     def __init__(
@@ -955,6 +961,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         compiled_random_ops: CompiledOps = "eager",
         trace: str | os.PathLike[str] | None = None,
         attest_min_s: float = ATTEST_MIN_S,
+        replica: str | None = None,
     ) -> None:
         # Upstream's __init__ is deliberately not called: it raises on CPU meshes and
         # broadcasts rank 0's device state, which the coordinator makes unnecessary.
@@ -970,6 +977,12 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         _check_in_mesh(device_mesh, self.rank, "install()")
         if seed is not None and not 0 <= seed < 1 << 64:
             raise InvalidRequest(f"seed must be a uint64, got {seed}")
+        if replica is not None and not REPLICA_PATTERN.fullmatch(replica):
+            raise InvalidRequest(
+                f"replica must be 1 to 48 letters, digits, '.', '_' or '-', starting with a "
+                f"letter or digit; got {replica!r}"
+            )
+        self.replica = replica
         # A bad size fails here, at install(), not at the first random op. Offsets past 2^63
         # on Philox devices are refused per op (devices.check_philox_offset), since CPU
         # streams may use the whole uint64 range.
@@ -1017,6 +1030,8 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         return GroupSpec(scoped_name(group.name, self._scope), group.rank, group.world_size)
 
     def _unscoped_group(self, mesh: DeviceMesh) -> GroupSpec:
+        """The group of ``mesh`` before manual_seed's scope: among this replica's own groups
+        where there is a replica."""
         if self._shared is not None:
             if mesh.get_coordinate() is not None and not set(mesh.mesh.flatten().tolist()) <= set(
                 self.device_mesh.mesh.flatten().tolist()
@@ -1025,8 +1040,12 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
                     f"{mesh} has ranks outside the shared stream's mesh {self.device_mesh}: "
                     "install() with the job's root mesh"
                 )
-            return self._shared
-        return super()._find_group(mesh)
+            group = self._shared
+        else:
+            group = super()._find_group(mesh)
+        if self.replica is None:
+            return group
+        return GroupSpec(replica_name(group.name, self.replica), group.rank, group.world_size)
 
     def _stream_for(self, mesh: DeviceMesh) -> _Stream:
         group = self._group_of(mesh)
