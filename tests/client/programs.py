@@ -659,6 +659,44 @@ def replica(ctx: Ctx) -> dict[str, Any]:
 
 
 @program
+def seed_checks(ctx: Ctx) -> dict[str, Any]:
+    """Save a state of job ``<prefix>-a`` (root seed 1), then load it where its streams are
+    not the job's: into a job of root seed 2, and (edited) into job a itself, installed
+    without a seed (the coordinator's is read). Each load must refuse at once, restoring
+    nothing; a faithful load into job a without a seed must pass."""
+    import torch.distributed.tensor as dt
+    from torch.distributed.tensor import Replicate
+
+    from rngcoord.client import InvalidRequest, init_mesh, install
+
+    mesh = init_mesh((ctx.world,), ("dp",), "cpu")
+    addr, prefix = ctx.args["addr"], ctx.args["prefix"]
+    a = install(mesh, addr, job=f"{prefix}-a", seed=1, lease_size=64)
+    dt.rand((4,), device_mesh=mesh, placements=[Replicate()])
+    state = a.state_dict()
+    a.close()
+    out: dict[str, Any] = {}
+    b = install(mesh, addr, job=f"{prefix}-b", seed=2, lease_size=64)
+    try:
+        b.load_state_dict(state)
+    except InvalidRequest as e:
+        out["other_root"] = str(e)
+    out["other_root_restored"] = sorted(b.state_dict()["streams"])
+    b.close()
+    streams = {k: {**v, "seed": v["seed"] ^ 1} for k, v in state["streams"].items()}
+    again = install(mesh, addr, job=f"{prefix}-a", lease_size=64)
+    try:
+        again.load_state_dict({**state, "streams": streams})
+    except InvalidRequest as e:
+        out["edited"] = str(e)
+    out["edited_restored"] = sorted(again.state_dict()["streams"])
+    again.load_state_dict(state)
+    out["faithful"] = dt.rand((4,), device_mesh=mesh, placements=[Replicate()]).to_local()
+    again.close()
+    return out
+
+
+@program
 def joined_ahead(ctx: Ctx) -> dict[str, Any]:
     """The op program's first half on a 2x2 mesh in two jobs of one root seed: "<p>-lazy"
     joins each group at its first op, "<p>-ahead" joins the mesh and its "tp" sub-mesh first,

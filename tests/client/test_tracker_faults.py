@@ -188,3 +188,21 @@ def test_a_store_rewound_to_an_older_backup_is_moved_past_the_saved_cursor(
     report = run_cli("verify", "--db", coordinator.db_url)
     assert report.returncode == 0, report.stdout + report.stderr
     assert f"record {gap['id']}: failover gap" in report.stdout
+
+
+def test_a_state_of_another_root_seed_is_refused_when_loaded_restoring_nothing(
+    coordinator: CoordinatorProcess, tmp_path: Path
+) -> None:
+    (result,) = run_threads("seed_checks", 1, tmp_path, addr=coordinator.address, prefix="sc")
+    # Into a job of another root seed: refused by load_state_dict itself, not at the group's
+    # first op, naming the saved job and both root seeds.
+    refused = result["other_root"]
+    assert "the state was saved under another root seed (job 'sc-a', root seed 1)" in refused
+    assert "than job 'sc-b' has (2)" in result["other_root"]
+    assert "nothing was restored" in result["other_root"]
+    assert result["other_root_restored"] == []
+    # Into its own job installed without a seed: the coordinator's root seed is read, and a
+    # stream whose seed is not its group's there is refused.
+    assert "than job 'sc-a' has (1): group 'dp:1[0]' was saved with seed" in result["edited"]
+    assert result["edited_restored"] == []
+    assert result["faithful"].shape == (4,)

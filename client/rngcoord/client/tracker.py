@@ -95,8 +95,10 @@ from rngcoord.client.devices import (
     unpack_philox,
 )
 from rngcoord.client.errors import (
+    CoordinatorUnavailable,
     InvalidRequest,
     JoinTimeoutError,
+    NotFoundError,
     RNGCoordError,
     StoreMismatchError,
 )
@@ -121,6 +123,7 @@ from rngcoord.client.leases import (
 from rngcoord.client.router import random_op, unregister
 from rngcoord.client.trace import OpTrace
 from rngcoord.v1.rules import NAME_PATTERN
+from rngcoord.v1.seeds import group_seed
 from rngcoord.v1.types import JoinResult
 
 logger = logging.getLogger(__name__)
@@ -1293,8 +1296,10 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         once every mesh has drawn for a bitwise resume of everything.
 
         Raises:
-            InvalidRequest: the state is malformed, or a group's seed differs from the
-                state's (another root seed): pass the saved job's root seed to install().
+            InvalidRequest: the state is malformed, or it was saved under another root seed
+                than this job's (a stream's seed is not its group's seed here), found when the
+                state is loaded, before anything is restored: pass the saved job's root seed
+                to install().
             StoreMismatchError: the state is this job's, and another store answers, or a
                 group's epoch or high-water mark is behind the state's.
             RestoreTimeoutError: the group's other members did not load it too in time.
@@ -1308,6 +1313,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         policy's streams do not depend on the mesh and resume across a resize.
         """
         streams = _streams_of(state)
+        self._check_root_seed(state, streams)
         self.unrestorable = {} if self.policy != "offsets" else self._foreign_streams(streams)
         for saved, current in self.unrestorable.items():
             warnings.warn(resize_message(saved, current), RuntimeWarning, stacklevel=2)
@@ -1315,7 +1321,10 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         self._record_resizes()
         if state.get("job") == self.job:
             # The same job continues: its streams must come from the same store, and move
-            # only forward. A state loaded into another job starts that job's streams anew.
+            # only forward. A state loaded into another job continues that job's groups of
+            # the same names at the saved cursors (an audited Restore each, under this job's
+            # seeds, which _check_root_seed made sure are the state's); the other job's
+            # epochs and store say nothing about this one.
             store_id, head = state.get("store_id"), state.get("audit_head")
             if isinstance(store_id, str) and store_id:
                 self.client.expect_store(store_id)
@@ -1339,6 +1348,37 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
                 continue
             _check_seed(tag, entry["seed"], manager.seed)
             manager.restore(entry["offset"], entry["digest"])
+
+    def _check_root_seed(self, state: Mapping[str, Any], streams: Mapping[str, Any]) -> None:
+        """Refuse, before anything is restored, a state whose streams were drawn under
+        another root seed than this job's: each stream's seed must be the seed its group has
+        here (`rngcoord.v1.seeds.group_seed`), joined or not. The job's root seed is the one
+        given to install() or met in a join; else the coordinator's, read with one GetGroup
+        of a saved group; else (a new job) the state's own, which the job then adopts."""
+        if not streams:
+            return
+        saved = state.get("job_seed")
+        root = self._job_seed
+        if root is None:
+            # A new job or group (not found), or no coordinator now: the join checks it.
+            with contextlib.suppress(NotFoundError, CoordinatorUnavailable):
+                known = self.client.get_group(self.job, next(iter(streams)), members_limit=1)
+                root = known.job_seed
+        if root is None:
+            root = saved if isinstance(saved, int) else None
+        if root is None:
+            return
+        for tag, entry in streams.items():
+            here = group_seed(root, tag)
+            if entry["seed"] != here:
+                named = f", root seed {saved}" if isinstance(saved, int) and saved != root else ""
+                raise InvalidRequest(
+                    f"the state was saved under another root seed (job {state.get('job')!r}"
+                    f"{named}) than job {self.job!r} has ({root}): group {tag!r} was saved "
+                    f"with seed {entry['seed']} but has seed {here} here. Pass the saved "
+                    "job's root seed to install() (state_dict()['job_seed']), or load a state "
+                    "of this job's root seed; nothing was restored"
+                )
 
     def _foreign_streams(self, streams: Mapping[str, Any]) -> dict[str, str]:
         """The saved offsets-policy streams whose mesh is not this job's: ranks outside the

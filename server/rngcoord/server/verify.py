@@ -37,8 +37,8 @@ from typing import Any
 
 from rngcoord.server import audit
 from rngcoord.server.anchors import rewound_range
-from rngcoord.server.seeds import group_seed
 from rngcoord.server.store import Store, Tx, from_db
+from rngcoord.v1.seeds import group_seed
 from rngcoord.v1.types import AuditRecord, members_digest
 
 __all__ = ["UNANCHORED_NOTE", "VerifyReport", "verify"]
