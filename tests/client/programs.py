@@ -663,7 +663,8 @@ def seed_checks(ctx: Ctx) -> dict[str, Any]:
     """Save a state of job ``<prefix>-a`` (root seed 1), then load it where its streams are
     not the job's: into a job of root seed 2, and (edited) into job a itself, installed
     without a seed (the coordinator's is read). Each load must refuse at once, restoring
-    nothing; a faithful load into job a without a seed must pass."""
+    nothing; a faithful load into job a without a seed must pass, and so must a load into job
+    c of the same root seed."""
     import torch.distributed.tensor as dt
     from torch.distributed.tensor import Replicate
 
@@ -693,6 +694,11 @@ def seed_checks(ctx: Ctx) -> dict[str, Any]:
     again.load_state_dict(state)
     out["faithful"] = dt.rand((4,), device_mesh=mesh, placements=[Replicate()]).to_local()
     again.close()
+    # Into another job of the same root seed: allowed, and its Restore names job a.
+    c = install(mesh, addr, job=f"{prefix}-c", seed=1, lease_size=64)
+    c.load_state_dict(state)
+    out["other_job"] = dt.rand((4,), device_mesh=mesh, placements=[Replicate()]).to_local()
+    c.close()
     return out
 
 

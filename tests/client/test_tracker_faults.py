@@ -205,4 +205,14 @@ def test_a_state_of_another_root_seed_is_refused_when_loaded_restoring_nothing(
     # stream whose seed is not its group's there is refused.
     assert "than job 'sc-a' has (1): group 'dp:1[0]' was saved with seed" in result["edited"]
     assert result["edited_restored"] == []
-    assert result["faithful"].shape == (4,)
+    # The same draw as job a's resumed one: job c continues a's stream where it was saved.
+    assert result["faithful"].equal(result["other_job"])
+    # Its Restore names the job whose checkpoint the cursor came from.
+    export = run_cli("audit", "--db", coordinator.db_url, "--json", "--job", "sc-c")
+    assert export.returncode == 0, export.stderr
+    (restore,) = [json.loads(x) for x in export.stdout.splitlines() if '"restore"' in x]
+    assert restore["detail"]["from_job"] == "sc-a"
+    export = run_cli("audit", "--db", coordinator.db_url, "--json", "--job", "sc-a")
+    assert all(
+        "from_job" not in json.loads(x)["detail"] for x in export.stdout.splitlines()
+    )  # a's own resume names no other job

@@ -174,6 +174,8 @@ def test_bad_job_and_group_names_are_invalid_argument(ref: Ref) -> None:
         ref.expect(INVALID, "LeaveGroup", ref.leave_request(**{field: name}), field)
         get: dict[str, Any] = {"job": JOB, "group": GROUP, field: name}
         ref.expect(INVALID, "GetGroup", pb.GetGroupRequest(**get), field)
+        if name:  # empty: the cursor is this job's own
+            ref.expect(INVALID, "Restore", ref.restore_request(from_job=name), "from_job")
 
     check()
     ref.check_untouched()

@@ -793,6 +793,7 @@ class CoordinatorClient:
         member_id: str,
         timeout_s: float = 60.0,
         force: bool = False,
+        from_job: str = "",
     ) -> RestoreResult:
         """Vote to make lease ``seq`` of the current epoch start at ``cursor`` (audited).
 
@@ -805,6 +806,8 @@ class CoordinatorClient:
             timeout_s: How long the coordinator waits for the other members. Default 60.0.
             force: Take effect without the other members (admin tokens only). Default
                 ``False``.
+            from_job: The job whose checkpoint ``cursor`` comes from, when it is another
+                job's; the restore record names it. Default ``""``: this job's.
 
         Raises:
             RestoreTimeoutError: not every member asked within ``timeout_s``.
@@ -820,6 +823,7 @@ class CoordinatorClient:
             member_secret=member_secret(member_id),
             force=force,
             timeout_ms=max(1, round(timeout_s * 1000)),
+            from_job=from_job,
         )
         reply = self._call(
             "Restore",

@@ -299,6 +299,8 @@ class LeaseManager:
             :class:`LeaseSchedule`'s defaults.
         resume: Where to continue instead of the epoch's start, as :meth:`restore` does;
             ``None`` (default) starts at the epoch's start cursor.
+        resume_from: The job whose checkpoint ``resume`` comes from, when it is another
+            job's (the restore record names it). Default ``""``: this job's.
         restore_timeout_s: How long a Restore waits for the group's other members to ask for
             it too. Default 60.0.
         prefetch_s: Send fixed lease requests early enough that the leases sent last this
@@ -326,6 +328,7 @@ class LeaseManager:
         joined: JoinResult,
         schedule: LeaseSchedule | None = None,
         resume: StreamState | None = None,
+        resume_from: str = "",
         restore_timeout_s: float = 60.0,
         prefetch_s: float = 30.0,
         heartbeat_s: float = HEARTBEAT_S,
@@ -396,7 +399,7 @@ class LeaseManager:
             self._anchor(0, joined.start, INITIAL_DIGEST)
         else:
             self._origin, self._largest_op = resume.origin, resume.largest_op
-            self.restore(resume.cursor, resume.digest)
+            self.restore(resume.cursor, resume.digest, from_job=resume_from)
 
     # -- the op path ---------------------------------------------------------------------
 
@@ -722,8 +725,9 @@ class LeaseManager:
         self._fix_through(seq + self.schedule.lookahead, digest, self._largest_op, cursor)
         self._send_through(seq)
 
-    def restore(self, cursor: int, digest: bytes) -> None:
-        """Continue the stream at ``cursor`` with fingerprint chain ``digest``.
+    def restore(self, cursor: int, digest: bytes, from_job: str = "") -> None:
+        """Continue the stream at ``cursor`` with fingerprint chain ``digest``; ``from_job``
+        names the job whose checkpoint they come from when it is another job's (audited).
 
         Sends a Restore for the first lease seq that is not fixed yet: every rank of the group
         that restores at the same point of its op sequence names the same seq (no rank has
@@ -749,6 +753,7 @@ class LeaseManager:
             rank=self.rank,
             member_id=self.member_id,
             timeout_s=self.restore_timeout_s,
+            from_job=from_job,
         )
         self._generation += 1
         self._anchor(seq, cursor, digest)

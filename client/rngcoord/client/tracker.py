@@ -1001,6 +1001,8 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         self._owns_client = owns_client
         self._managers: dict[str, LeaseManager] = {}
         self._pending: dict[str, dict[str, Any]] = {}
+        # The job whose state a pending stream came from, where not this one (audited).
+        self._pending_from: dict[str, str] = {}
         self._join_lock = threading.Lock()
         self._shared = shared_group(device_mesh, self.rank) if shared_stream else None
         self._expected_store: str | None = None
@@ -1150,6 +1152,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
             resume=resume,
             restore_timeout_s=self.join_timeout_s,
             attest_min_s=self.attest_min_s,
+            resume_from=self._pending_from.pop(group.name, ""),
         )
         self._managers[group.name] = manager
         self._streams[group.name] = manager
@@ -1341,13 +1344,16 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         if "seed_scope" in state and (scope is None or isinstance(scope, int)):
             # The saved streams are the scope's: continue drawing from them.
             self._set_scope(scope)
+        source = state.get("job")
+        from_job = source if isinstance(source, str) and source != self.job else ""
         for tag, entry in streams.items():
             manager = self._managers.get(tag)
             if manager is None:
                 self._pending[tag] = entry
+                self._pending_from[tag] = from_job
                 continue
             _check_seed(tag, entry["seed"], manager.seed)
-            manager.restore(entry["offset"], entry["digest"])
+            manager.restore(entry["offset"], entry["digest"], from_job=from_job)
 
     def _check_root_seed(self, state: Mapping[str, Any], streams: Mapping[str, Any]) -> None:
         """Refuse, before anything is restored, a state whose streams were drawn under

@@ -982,6 +982,7 @@ class RestoreRequest(_message.Message):
     FORCE_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     MEMBER_SECRET_FIELD_NUMBER: _builtins.int
+    FROM_JOB_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     group: _builtins.str
     epoch: _builtins.int
@@ -1002,6 +1003,10 @@ class RestoreRequest(_message.Message):
     """The member's credential, as it joined with (JoinGroupRequest.member_secret): one vote per
     member that holds its own credential.
     """
+    from_job: _builtins.str
+    """The job whose checkpoint `cursor` comes from, when it is another job's (a state loaded
+    into this job): the restore record names it. Empty (default): this job's own.
+    """
     def __init__(
         self,
         *,
@@ -1015,10 +1020,11 @@ class RestoreRequest(_message.Message):
         force: _builtins.bool = ...,
         timeout_ms: _builtins.int = ...,
         member_secret: _builtins.bytes = ...,
+        from_job: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "epoch", b"epoch", "force", b"force", "group", b"group", "job", b"job", "member_id", b"member_id", "member_secret", b"member_secret", "rank", b"rank", "seq", b"seq", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "epoch", b"epoch", "force", b"force", "from_job", b"from_job", "group", b"group", "job", b"job", "member_id", b"member_id", "member_secret", b"member_secret", "rank", b"rank", "seq", b"seq", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -513,12 +513,19 @@ class Coordinator:
         cursor: int,
         force: bool = False,
         timeout_s: float | None = None,
+        from_job: str = "",
     ) -> RestoreResult:
         """The caller's vote to make lease `seq` of its epoch start at `cursor`, waiting at
         most `timeout_s` (None: the join timeout; capped at `max_join_timeout_s`) for the
-        other members (rngcoord.server.restores)."""
+        other members (rngcoord.server.restores); `from_job` names the job whose checkpoint
+        the cursor comes from, when it is another job's ("" by default: this job's)."""
         return await self._restores.restore(
-            caller, seq=seq, cursor=cursor, force=force, timeout_s=self.wait_s(timeout_s, None)
+            caller,
+            seq=seq,
+            cursor=cursor,
+            force=force,
+            timeout_s=self.wait_s(timeout_s, None),
+            from_job=from_job,
         )
 
     async def record_resize(self, caller: Caller, *, saved_group: str, saved_cursor: int) -> bool:

@@ -20,7 +20,7 @@ from rngcoord.server.feed import FeedRecord
 from rngcoord.server.membership import Caller, fields, read_epoch, read_member
 from rngcoord.server.store import Tx
 from rngcoord.v1 import coordinator_pb2 as pb
-from rngcoord.v1.rules import MAX_OFFSET, check_cursor, check_seq
+from rngcoord.v1.rules import MAX_OFFSET, check_cursor, check_name, check_seq
 from rngcoord.v1.types import RestoreResult
 
 __all__ = ["RESTORE_ROOM", "Restores"]
@@ -53,7 +53,14 @@ class Restores(Handler):
             waiter.set_result(int(record.detail["cursor"]))
 
     async def restore(
-        self, caller: Caller, *, seq: int, cursor: int, force: bool, timeout_s: float
+        self,
+        caller: Caller,
+        *,
+        seq: int,
+        cursor: int,
+        force: bool,
+        timeout_s: float,
+        from_job: str = "",
     ) -> RestoreResult:
         """The caller's vote to make lease `seq` of the current epoch start at `cursor`;
         returns once it takes effect (at once with `force`, which the gate allows admins
@@ -70,6 +77,8 @@ class Restores(Handler):
         with fields():
             check_seq(seq)
             check_cursor(cursor)
+            if from_job:
+                check_name("from_job", from_job)
         job, group, epoch = caller.job, caller.group, caller.epoch
         if cursor > MAX_OFFSET - RESTORE_ROOM:
             raise ResourceExhausted(
@@ -93,6 +102,7 @@ class Restores(Handler):
                     cursor=cursor,
                     force=force,
                     now_us=self._clock.now_us(),
+                    from_job=from_job if from_job != job else "",
                 )
             )
             if outcome != "pending":
@@ -140,7 +150,15 @@ class Restores(Handler):
                 self._waiters.pop(key, None)
 
     def _vote_tx(
-        self, tx: Tx, *, caller: Caller, seq: int, cursor: int, force: bool, now_us: int
+        self,
+        tx: Tx,
+        *,
+        caller: Caller,
+        seq: int,
+        cursor: int,
+        force: bool,
+        now_us: int,
+        from_job: str = "",
     ) -> str:
         """Record a Restore vote; return "existing" (recorded before), "effective" (this vote
         completed it, or it was forced) or "pending"."""
@@ -210,6 +228,9 @@ class Restores(Handler):
                 "forced": force,
                 "votes": votes,
                 "voters": voters,
+                # Whose checkpoint the cursor comes from, where not this job's (the vote
+                # that completed the restore says so; every member loaded the same state).
+                **({"from_job": from_job} if from_job else {}),
             },
         )
         return "effective"

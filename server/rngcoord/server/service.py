@@ -258,6 +258,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 cursor=request.cursor,
                 force=request.force,
                 timeout_s=self._coord.wait_s(_timeout_s(request), context.time_remaining()),
+                from_job=request.from_job,
             )
         except Exception as exc:
             await self._fail("Restore", exc, context, t0)
