@@ -673,7 +673,7 @@ def measure_in_process(args: argparse.Namespace, db_url: str, system: str) -> Re
     its GIL, as the servicer's loop does in a server."""
     from rngcoord.server.coordinator import Coordinator
     from rngcoord.server.membership import Caller
-    from rngcoord.server.stores import open_store
+    from rngcoord.server.storage.stores import open_store
 
     clients = max(args.levels)
 

@@ -10,8 +10,8 @@ Fixtures
       environment variable RNGCOORD_TEST_POSTGRES (default
       postgresql://postgres@127.0.0.1:5432/postgres) and dropped afterwards.
     The postgresql case is skipped, with the reason printed by `-ra`, while the backend module
-    `rngcoord.server.postgres` does not exist, or when RNGCOORD_TEST_POSTGRES is unset and the
-    default server is unreachable. When RNGCOORD_TEST_POSTGRES is set (CI sets it), an
+    `rngcoord.server.storage.postgres` does not exist, or when RNGCOORD_TEST_POSTGRES is unset
+    and the default server is unreachable. When RNGCOORD_TEST_POSTGRES is set (CI sets it), an
     unreachable server is an error, never a skip. Select one backend with `-k sqlite` or
     `-k postgresql`.
 

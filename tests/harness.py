@@ -40,8 +40,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rngcoord.server import audit
 from rngcoord.server.coordinator import Coordinator
 from rngcoord.server.membership import Caller
-from rngcoord.server.sqlite import SqliteStore
-from rngcoord.server.store import ReadAhead, Tx, WriteProblem
+from rngcoord.server.storage.sqlite import SqliteStore
+from rngcoord.server.storage.store import ReadAhead, Tx, WriteProblem
 from rngcoord.v1 import coordinator_pb2, coordinator_pb2_grpc
 from rngcoord.v1.types import AuditRecord, JoinResult, Lease
 
@@ -340,7 +340,7 @@ def wait_for_group(
 
 
 def postgres_backend_missing() -> bool:
-    return importlib.util.find_spec("rngcoord.server.postgres") is None
+    return importlib.util.find_spec("rngcoord.server.storage.postgres") is None
 
 
 class PostgresDatabases:
@@ -359,7 +359,7 @@ class PostgresDatabases:
         Raises RuntimeError when RNGCOORD_TEST_POSTGRES names a server that does not answer.
         """
         if postgres_backend_missing():
-            return "postgres backend not available (rngcoord.server.postgres does not exist yet)"
+            return "postgres backend not available (rngcoord.server.storage.postgres is missing)"
         if not self._checked:
             self._checked = True
             import psycopg

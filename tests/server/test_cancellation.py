@@ -277,7 +277,7 @@ _FAULTY_SERVER = textwrap.dedent(
     """
     import os, sys
     from pathlib import Path
-    from rngcoord.server import groupcommit
+    from rngcoord.server.storage import groupcommit
     from rngcoord.server.cli import main
 
     armed = Path(os.environ["FAULTS"])

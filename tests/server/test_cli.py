@@ -33,7 +33,7 @@ from harness import (
     token_leaks,
 )
 from rngcoord.server.membership import Caller
-from rngcoord.server.sqlite import SqliteStore
+from rngcoord.server.storage.sqlite import SqliteStore
 from rngcoord.server.verify import UNANCHORED_NOTE
 
 JOB = "cli-job"

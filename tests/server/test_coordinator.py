@@ -46,7 +46,7 @@ from rngcoord.server.errors import (
     StaleEpoch,
 )
 from rngcoord.server.membership import Caller
-from rngcoord.server.sqlite import SqliteStore
+from rngcoord.server.storage.sqlite import SqliteStore
 from rngcoord.server.verify import verify
 from rngcoord.v1.rules import ATTEST_EVERY, MAX_OFFSET
 from rngcoord.v1.types import AuditRecord, JoinResult, Lease, RestoreResult, members_digest

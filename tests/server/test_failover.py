@@ -31,7 +31,7 @@ from harness import CoordinatorProcess, join_all, run_cli, secret_for
 from rngcoord.client import CoordinatorClient
 from rngcoord.client.connection import adopt_member_secret
 from rngcoord.server.errors import Unavailable
-from rngcoord.server.postgres import PostgresStore
+from rngcoord.server.storage.postgres import PostgresStore
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.status import HEAD_TRAILER
 from rngcoord.v1.types import Lease

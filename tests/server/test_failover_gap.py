@@ -31,7 +31,7 @@ from harness import (
 )
 from rngcoord.client import CoordinatorClient
 from rngcoord.server.anchors import read_anchor_files
-from rngcoord.server.sqlite import SqliteStore
+from rngcoord.server.storage.sqlite import SqliteStore
 from rngcoord.server.verify import verify
 from rngcoord.v1.types import JoinResult, Lease
 

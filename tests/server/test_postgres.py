@@ -24,8 +24,8 @@ from harness import DEFAULT_POSTGRES, POSTGRES_ENV, LoopThread, caller, gather_l
 from rngcoord.server.audit import Chain
 from rngcoord.server.coordinator import Coordinator
 from rngcoord.server.errors import Divergence, InvalidArgument, StaleEpoch, Unavailable
-from rngcoord.server.postgres import PostgresStore, convert_placeholders
-from rngcoord.server.store import ReadAhead, Tx
+from rngcoord.server.storage.postgres import PostgresStore, convert_placeholders
+from rngcoord.server.storage.store import ReadAhead, Tx
 from rngcoord.server.verify import verify
 from rngcoord.v1.types import JoinResult, Lease
 
@@ -118,7 +118,7 @@ def test_concurrent_opens_migrate_once(db_url: str) -> None:
     # And once more, on the migrated database.
     PostgresStore(db_url, create=True).close()
 
-    folder = resources.files("rngcoord.server") / "migrations" / "postgres"
+    folder = resources.files("rngcoord.server.storage") / "migrations" / "postgres"
     names = sorted(entry.name.removesuffix(".sql") for entry in folder.iterdir())
     expected = [(int(name.partition("_")[0]), name) for name in names if name[:3].isdigit()]
     assert expected[0] == (1, "001_initial")

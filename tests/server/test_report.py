@@ -11,11 +11,11 @@ import pytest
 from test_status import browser_missing, chromium
 
 from harness import CoordinatorProcess, join_all, run_cli, secret_for
-from rngcoord.server import queries
 from rngcoord.server.audit import Chain
 from rngcoord.server.report import MAX_BARS
-from rngcoord.server.sqlite import SqliteStore
-from rngcoord.server.store import Tx
+from rngcoord.server.storage import queries
+from rngcoord.server.storage.sqlite import SqliteStore
+from rngcoord.server.storage.store import Tx
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc
 

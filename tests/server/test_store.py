@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from rngcoord.server.errors import Divergence, InvalidArgument, Unavailable
-from rngcoord.server.groupcommit import GroupCommitWriter
-from rngcoord.server.sqlite import SqliteStore, SqliteTx
-from rngcoord.server.store import Tx, from_db, split_sql, to_db
-from rngcoord.server.stores import open_store
+from rngcoord.server.storage.groupcommit import GroupCommitWriter
+from rngcoord.server.storage.sqlite import SqliteStore, SqliteTx
+from rngcoord.server.storage.store import Tx, from_db, split_sql, to_db
+from rngcoord.server.storage.stores import open_store
 
 
 def _insert_job(name: str, seed: int = 7) -> Callable[[Tx], str]:
@@ -138,7 +138,9 @@ def test_a_version_1_store_keeps_its_members_and_barriers(tmp_path: Path) -> Non
     # A store written by the first schema: members as a JSON list ("" for a rank that left)
     # and two ranks waiting in a barrier of another group.
     path = tmp_path / "v1.db"
-    script = (resources.files("rngcoord.server") / "migrations/sqlite/001_initial.sql").read_text()
+    script = (
+        resources.files("rngcoord.server.storage") / "migrations/sqlite/001_initial.sql"
+    ).read_text()
     with sqlite3.connect(path) as conn:
         conn.executescript(script)
         conn.execute(

@@ -30,8 +30,8 @@ from harness import (
 )
 from rngcoord.server import audit
 from rngcoord.server.anchors import read_anchors
-from rngcoord.server.sqlite import SqliteStore
-from rngcoord.server.store import Tx, to_db
+from rngcoord.server.storage.sqlite import SqliteStore
+from rngcoord.server.storage.store import Tx, to_db
 from rngcoord.server.verify import UNANCHORED_NOTE, verify
 
 KEY = bytes(range(32))

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from rngcoord.server.coordinator import Coordinator
     from rngcoord.server.errors import CoordinatorError
     from rngcoord.server.seeds import group_seed
-    from rngcoord.server.store import Store
-    from rngcoord.server.stores import open_store
+    from rngcoord.server.storage.store import Store
+    from rngcoord.server.storage.stores import open_store
     from rngcoord.server.verify import VerifyReport, verify
     from rngcoord.v1.types import GroupInfo, JoinResult, Lease, RestoreResult
 
@@ -38,11 +38,11 @@ _EXPORTS = {
     "Lease": "rngcoord.v1.types",
     "RestoreResult": "rngcoord.v1.types",
     "RunningServer": "app",
-    "Store": "store",
+    "Store": "storage.store",
     "TLSConfig": "app",
     "VerifyReport": "verify",
     "group_seed": "seeds",
-    "open_store": "stores",
+    "open_store": "storage.stores",
     "serve": "app",
     "start_server": "app",
     "verify": "verify",

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rngcoord.server import audit
-from rngcoord.server.store import Store, StoreRolledBack, Tx
+from rngcoord.server.storage.store import Store, StoreRolledBack, Tx
 
 __all__ = [
     "append_anchor",

@@ -53,8 +53,8 @@ from rngcoord.server.logs import configure, event, get_logger
 from rngcoord.server.metrics import Metrics
 from rngcoord.server.service import CoordinatorServicer
 from rngcoord.server.status import StatusServer
-from rngcoord.server.store import Store, StoreNotFound
-from rngcoord.server.stores import open_store
+from rngcoord.server.storage.store import Store, StoreNotFound
+from rngcoord.server.storage.stores import open_store
 from rngcoord.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 __all__ = [
@@ -140,7 +140,7 @@ class ServerOptions:
             offsets new groups must start above (recovery after losing a store). Default ().
         require_sync_replication: refuse a PostgreSQL primary that does not replicate
             synchronously, at start and on every reconnect of the store's writer
-            (`--require-sync-replication`; rngcoord.server.replication). Default False: the
+            (`--require-sync-replication`; rngcoord.server.storage.replication). Default False: the
             mode is logged, as a warning when acknowledged grants would not survive a
             failover.
         max_connections: most client connections this process holds. Default None: the

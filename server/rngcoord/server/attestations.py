@@ -13,12 +13,13 @@ from __future__ import annotations
 import functools
 from typing import TypeVar
 
-from rngcoord.server import divergences, queries
+from rngcoord.server import divergences
 from rngcoord.server.cache import AttestationKey, GroupState
 from rngcoord.server.context import Handler
 from rngcoord.server.errors import Divergence, InvalidArgument
 from rngcoord.server.membership import Caller, fence, fields, not_found, read_member
-from rngcoord.server.store import Tx
+from rngcoord.server.storage import queries
+from rngcoord.server.storage.store import Tx
 from rngcoord.v1.rules import check_attested_ops, check_fingerprint, check_seq
 
 __all__ = ["Attestations"]

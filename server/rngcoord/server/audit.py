@@ -37,7 +37,7 @@ from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from rngcoord.server.errors import InvalidArgument
-from rngcoord.server.store import Store, Tx
+from rngcoord.server.storage.store import Store, Tx
 from rngcoord.v1.rules import RuleViolation, check_name
 from rngcoord.v1.types import AuditRecord, canonical_json
 

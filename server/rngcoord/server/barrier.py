@@ -34,7 +34,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from rngcoord.server import queries
 from rngcoord.server.addresses import peer_host
 from rngcoord.server.audit import Chain
 from rngcoord.server.clock import Clock
@@ -42,7 +41,8 @@ from rngcoord.server.errors import CoordinatorError, FailedPrecondition, JoinTim
 from rngcoord.server.logs import event, get_logger
 from rngcoord.server.membership import bad_credential, rank_list
 from rngcoord.server.seeds import draw_job_seed, group_seed
-from rngcoord.server.store import Store, StoreLost, Tx
+from rngcoord.server.storage import queries
+from rngcoord.server.storage.store import Store, StoreLost, Tx
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.types import JoinResult, members_digest
 

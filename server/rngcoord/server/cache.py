@@ -22,7 +22,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from rngcoord.server.queries import LeaseRow, Member
+from rngcoord.server.storage.queries import LeaseRow, Member
 
 __all__ = ["AttestationKey", "Bounded", "Cache", "GroupState"]
 

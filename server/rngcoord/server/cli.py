@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rngcoord.server.audit import KINDS, AuditRecord
-from rngcoord.server.replication import ReplicationRefused
-from rngcoord.server.store import Store, StoreNotFound, Tx
+from rngcoord.server.storage.replication import ReplicationRefused
+from rngcoord.server.storage.store import Store, StoreNotFound, Tx
 
 DEFAULT_LISTEN = "0.0.0.0:29520"
 DEFAULT_DB = "sqlite:///rngcoord.db"
@@ -516,8 +516,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _audit(args: argparse.Namespace) -> int:
     from rngcoord.server.audit import records as audit_records
-    from rngcoord.server.queries import audit_head
-    from rngcoord.server.stores import open_store
+    from rngcoord.server.storage.queries import audit_head
+    from rngcoord.server.storage.stores import open_store
 
     if args.follow and (args.until or args.limit):
         raise ValueError("--follow streams records as they come: it takes no --until or --limit")
@@ -571,7 +571,7 @@ def _follow(
 ) -> Iterator[AuditRecord]:
     """Records after `seen[0]` passing `filters`, as they are appended, until `stop`."""
     from rngcoord.server.audit import fetch_page
-    from rngcoord.server.queries import audit_head
+    from rngcoord.server.storage.queries import audit_head
 
     def read(tx: Tx) -> tuple[int, list[AuditRecord]]:
         head = audit_head(tx)[0]
@@ -588,7 +588,7 @@ def _follow(
 
 def _report(args: argparse.Namespace) -> int:
     from rngcoord.server.report import ReportUnavailable, write_report
-    from rngcoord.server.stores import open_store
+    from rngcoord.server.storage.stores import open_store
 
     store = open_store(args.db)
     try:
@@ -609,7 +609,7 @@ def _report(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from rngcoord.server.anchors import read_anchors
     from rngcoord.server.audit import load_key
-    from rngcoord.server.stores import open_store
+    from rngcoord.server.storage.stores import open_store
     from rngcoord.server.verify import verify
 
     key = load_key(str(args.audit_key)) if args.audit_key is not None else None

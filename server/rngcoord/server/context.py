@@ -13,7 +13,7 @@ from typing import Any, Protocol, TypeVar
 from rngcoord.server.audit import Chain
 from rngcoord.server.cache import Cache
 from rngcoord.server.clock import Clock
-from rngcoord.server.store import ReadAhead, Tx
+from rngcoord.server.storage.store import ReadAhead, Tx
 
 __all__ = ["Context", "Handler", "Write"]
 

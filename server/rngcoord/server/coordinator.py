@@ -8,7 +8,7 @@ group-commit writer thread and to reader threads. Its layers:
 - the join barrier: rngcoord.server.barrier; Reserve: rngcoord.server.grants; attestations:
   rngcoord.server.attestations; restores: rngcoord.server.restores; divergences:
   rngcoord.server.divergences;
-- SQL and row decoding: rngcoord.server.queries; field checks: rngcoord.v1.rules;
+- SQL and row decoding: rngcoord.server.storage.queries; field checks: rngcoord.v1.rules;
 - what a hit answers from memory: rngcoord.server.cache, kept current by the change feed
   (rngcoord.server.feed) across the processes that share the store.
 """
@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from rngcoord.server import audit, queries
+from rngcoord.server import audit
 from rngcoord.server.attestations import Attestations
 from rngcoord.server.audit import Chain
 from rngcoord.server.barrier import Barriers, JoinRequest
@@ -47,7 +47,8 @@ from rngcoord.server.membership import (
 )
 from rngcoord.server.resizes import Resizes
 from rngcoord.server.restores import Restores
-from rngcoord.server.store import ReadAhead, Store, StoreLost, StoreRewound, Tx, row_reader
+from rngcoord.server.storage import queries
+from rngcoord.server.storage.store import ReadAhead, Store, StoreLost, StoreRewound, Tx, row_reader
 from rngcoord.v1.rules import (
     check_cursor,
     check_member_id,

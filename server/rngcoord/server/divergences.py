@@ -19,11 +19,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from rngcoord.server import queries
 from rngcoord.server.audit import Chain
 from rngcoord.server.errors import Divergence
 from rngcoord.server.membership import rank_list
-from rngcoord.server.store import Tx
+from rngcoord.server.storage import queries
+from rngcoord.server.storage.store import Tx
 
 __all__ = ["HEARD", "Side", "add_side", "hears", "record", "record_ranks", "refusal", "summary"]
 

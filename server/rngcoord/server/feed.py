@@ -29,10 +29,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from rngcoord.server import queries
 from rngcoord.server.clock import Clock
 from rngcoord.server.logs import event, get_logger
-from rngcoord.server.store import Tx
+from rngcoord.server.storage import queries
+from rngcoord.server.storage.store import Tx
 
 __all__ = ["FEED_KINDS", "Feed", "FeedRecord", "NotifyingStore", "VersionedStore"]
 

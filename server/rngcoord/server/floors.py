@@ -23,9 +23,9 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-from rngcoord.server import queries
 from rngcoord.server.audit import Chain
-from rngcoord.server.store import Store, Tx
+from rngcoord.server.storage import queries
+from rngcoord.server.storage.store import Store, Tx
 from rngcoord.v1.rules import MAX_OFFSET, RuleViolation, check_name
 
 __all__ = ["apply_floors", "read_floors"]

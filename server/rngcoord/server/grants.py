@@ -17,13 +17,14 @@ from __future__ import annotations
 import functools
 import logging
 
-from rngcoord.server import divergences, queries
+from rngcoord.server import divergences
 from rngcoord.server.cache import GroupState
 from rngcoord.server.context import Handler
 from rngcoord.server.errors import Divergence, FailedPrecondition, ResourceExhausted
 from rngcoord.server.logs import event, get_logger
 from rngcoord.server.membership import Caller, check_epoch, fence, fields, not_found
-from rngcoord.server.store import Tx, from_db
+from rngcoord.server.storage import queries
+from rngcoord.server.storage.store import Tx, from_db
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.rules import MAX_OFFSET, check_fingerprint, check_seq, check_size
 from rngcoord.v1.types import Lease

@@ -17,7 +17,6 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from rngcoord.server import queries
 from rngcoord.server.errors import (
     InvalidArgument,
     NotFound,
@@ -25,8 +24,9 @@ from rngcoord.server.errors import (
     PermissionDenied,
     StaleEpoch,
 )
-from rngcoord.server.queries import EpochRow, GroupRow, Member
-from rngcoord.server.store import Tx
+from rngcoord.server.storage import queries
+from rngcoord.server.storage.queries import EpochRow, GroupRow, Member
+from rngcoord.server.storage.store import Tx
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.rules import (
     RuleViolation,

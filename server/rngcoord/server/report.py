@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rngcoord.server.store import Store
+from rngcoord.server.storage.store import Store
 from rngcoord.server.views import GroupHistory, JobReport, LeasePoint, job_report
 from rngcoord.v1.rules import MAX_OFFSET
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import functools
 
-from rngcoord.server import queries
 from rngcoord.server.context import Handler
 from rngcoord.server.errors import InvalidArgument
 from rngcoord.server.membership import Caller, fields, read_member
-from rngcoord.server.store import Tx
+from rngcoord.server.storage import queries
+from rngcoord.server.storage.store import Tx
 from rngcoord.v1.rules import check_cursor, check_name
 
 __all__ = ["MAX_PER_EPOCH", "Resizes"]

@@ -13,12 +13,12 @@ import asyncio
 import collections
 import functools
 
-from rngcoord.server import queries
 from rngcoord.server.context import Context, Handler
 from rngcoord.server.errors import FailedPrecondition, ResourceExhausted, RestoreTimeout
 from rngcoord.server.feed import FeedRecord
 from rngcoord.server.membership import Caller, fields, read_epoch, read_member
-from rngcoord.server.store import Tx
+from rngcoord.server.storage import queries
+from rngcoord.server.storage.store import Tx
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.rules import MAX_OFFSET, check_cursor, check_name, check_seq
 from rngcoord.v1.types import RestoreResult

@@ -82,8 +82,8 @@ from rngcoord.server.addresses import join_host_port
 from rngcoord.server.audit import Chain, fetch_page
 from rngcoord.server.auth import Identity, TokenTable
 from rngcoord.server.logs import event, get_logger
-from rngcoord.server.queries import audit_head
-from rngcoord.server.store import Store, Tx
+from rngcoord.server.storage.queries import audit_head
+from rngcoord.server.storage.store import Store, Tx
 from rngcoord.server.views import GroupView, group_state, group_views
 from rngcoord.v1.types import AuditRecord
 

@@ -37,7 +37,7 @@ from typing import Any
 
 from rngcoord.server import audit
 from rngcoord.server.anchors import rewound_range
-from rngcoord.server.store import Store, Tx, from_db
+from rngcoord.server.storage.store import Store, Tx, from_db
 from rngcoord.v1.seeds import group_seed
 from rngcoord.v1.types import AuditRecord, members_digest
 

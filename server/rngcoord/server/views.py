@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rngcoord.server import divergences
-from rngcoord.server.store import Tx, from_db
+from rngcoord.server.storage.store import Tx, from_db
 from rngcoord.v1.rules import MAX_OFFSET
 
 __all__ = [

@@ -62,7 +62,7 @@ from rngcoord.server.app import (
 from rngcoord.server.auth import TokenTable, load_tokens
 from rngcoord.server.logs import configure, event, get_logger
 from rngcoord.server.status import StatusThread
-from rngcoord.server.store import Store
+from rngcoord.server.storage.store import Store
 
 __all__ = ["serve_workers", "supervise"]
 
@@ -471,7 +471,7 @@ def _serve_status(
 
     from rngcoord.server.audit import Chain, load_key
     from rngcoord.server.status import StatusServer, StoreSource
-    from rngcoord.server.stores import open_store
+    from rngcoord.server.storage.stores import open_store
 
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=metrics_dir)  # type: ignore[no-untyped-call]

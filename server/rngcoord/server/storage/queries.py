@@ -3,9 +3,9 @@
 Statements are portable (`?` placeholders; the PostgreSQL backend rewrites them) and look rows
 up by primary key, so that a request costs O(1) whatever the world size: membership is kept
 by (epoch, rank) in `members`, and a join barrier's state is two counters on its group's row.
-uint64 values are stored biased (`rngcoord.server.store.to_db`). The rules that decide what to
-write live in rngcoord.server.coordinator and rngcoord.server.barrier; this module only reads
-and writes rows.
+uint64 values are stored biased (`rngcoord.server.storage.store.to_db`). The rules that
+decide what to write live in rngcoord.server.coordinator and rngcoord.server.barrier; this
+module only reads and writes rows.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rngcoord.server.store import ReadAhead, Tx, from_db, to_db
+from rngcoord.server.storage.store import ReadAhead, Tx, from_db, to_db
 
 __all__ = [
     "RESERVE_LOOKUP",

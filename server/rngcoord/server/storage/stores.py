@@ -1,13 +1,13 @@
 """Opening a store: the backend a store URL names.
 
-The backends (rngcoord.server.sqlite, rngcoord.server.postgres) implement the interface of
-rngcoord.server.store; this module is the one place that knows them all, so the interface
-module depends on none of them.
+The backends (`sqlite`, `postgres` in rngcoord.server.storage) implement the interface of
+rngcoord.server.storage.store; this module is the one place that knows them all, so the
+interface module depends on none of them.
 """
 
 from __future__ import annotations
 
-from rngcoord.server.store import Store
+from rngcoord.server.storage.store import Store
 
 __all__ = ["open_store"]
 
@@ -22,7 +22,7 @@ def open_store(url: str, *, create: bool = False, require_sync_replication: bool
             a missing or empty store raises `StoreNotFound`, so that nothing silently starts
             over at offset 0.
         require_sync_replication: refuse a PostgreSQL primary that does not replicate
-            synchronously (rngcoord.server.replication); an SQLite store has no replicas, so
+            synchronously (rngcoord.server.storage.replication); an SQLite store has no replicas, so
             it is refused too. Default False: the mode is only logged.
 
     Raises:
@@ -35,12 +35,12 @@ def open_store(url: str, *, create: bool = False, require_sync_replication: bool
                 "--require-sync-replication needs a PostgreSQL store; an SQLite store has no "
                 "standby to replicate to"
             )
-        from rngcoord.server.sqlite import SqliteStore
+        from rngcoord.server.storage.sqlite import SqliteStore
 
         return SqliteStore(url.removeprefix("sqlite:///"), create=create)
     if url.startswith(("postgresql://", "postgres://")):
         # Imported lazily: the SQLite-only deployment never needs psycopg.
-        from rngcoord.server.postgres import PostgresStore
+        from rngcoord.server.storage.postgres import PostgresStore
 
         store: Store = PostgresStore(
             url, create=create, require_sync_replication=require_sync_replication

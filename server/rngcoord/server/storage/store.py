@@ -8,10 +8,10 @@
   opts in by implementing `RowReader`.
 - `to_db` / `from_db`: uint64 values (seeds, offsets, sizes, cursors) live in signed 64-bit
   columns as `v - 2**63`, which keeps their order.
-- `apply_migrations`: runs server/migrations/<folder>/NNN_*.sql in order inside a caller's
+- `apply_migrations`: runs storage/migrations/<folder>/NNN_*.sql in order inside a caller's
   transaction and records each in `schema_version`.
 
-`rngcoord.server.stores.open_store(url)` picks the backend from a URL.
+`rngcoord.server.storage.stores.open_store(url)` picks the backend from a URL.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
-    from rngcoord.server.replication import Replication
+    from rngcoord.server.storage.replication import Replication
 
 __all__ = [
     "BIAS",
@@ -369,8 +369,8 @@ def split_sql(script: str) -> list[str]:
 
 
 def _migration_files(folder: str) -> list[tuple[int, str, str]]:
-    """(version, name, script) of server/migrations/<folder>/NNN_*.sql, in version order."""
-    root = resources.files("rngcoord.server") / "migrations" / folder
+    """(version, name, script) of storage/migrations/<folder>/NNN_*.sql, in version order."""
+    root = resources.files("rngcoord.server.storage") / "migrations" / folder
     found: list[tuple[int, str, str]] = []
     for entry in root.iterdir():
         stem, dot, ext = entry.name.partition(".")
@@ -381,7 +381,7 @@ def _migration_files(folder: str) -> list[tuple[int, str, str]]:
     versions = [version for version, _, _ in found]
     if versions != list(range(1, len(found) + 1)):
         raise RuntimeError(
-            f"migrations in server/migrations/{folder} must be numbered 1..N without gaps; "
+            f"migrations in storage/migrations/{folder} must be numbered 1..N without gaps; "
             f"found {versions}"
         )
     return found
@@ -439,7 +439,7 @@ def apply_migrations(tx: Tx, folder: str, *, create: bool, location: str) -> int
 
     Args:
         tx: an open write transaction.
-        folder: the dialect's folder under server/migrations ("sqlite" or "postgres").
+        folder: the dialect's folder under storage/migrations ("sqlite" or "postgres").
         create: whether a database without any migration may get the whole schema (`--init`).
         location: where the store is, for messages.
 

@@ -6,7 +6,7 @@ same file. Reads run on per-thread connections set to `query_only`, each in its 
 transaction, so a read sees one snapshot and WAL lets it run beside the writer; a read of one
 query (`read_row`) skips the BEGIN and ROLLBACK, as a lone statement is its own snapshot. With
 synchronous=FULL a commit returns only after the WAL is fsynced: a write is durable when
-`write` returns. Schema migrations (server/migrations/sqlite) run at open.
+`write` returns. Schema migrations (storage/migrations/sqlite) run at open.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rngcoord.server.errors import Unavailable
-from rngcoord.server.groupcommit import GroupCommitWriter
-from rngcoord.server.store import (
+from rngcoord.server.storage.groupcommit import GroupCommitWriter
+from rngcoord.server.storage.store import (
     KnownHead,
     ReadAhead,
     StoreLost,
@@ -34,7 +34,7 @@ from rngcoord.server.store import (
 )
 
 if TYPE_CHECKING:
-    from rngcoord.server.replication import Replication
+    from rngcoord.server.storage.replication import Replication
 
 __all__ = ["SqliteStore", "SqliteTx"]
 

@@ -23,7 +23,7 @@ Responsibilities:
   READ transaction, so it sees one snapshot; `read_row` (a single query, the idempotent-hit
   path) runs as a lone statement, one round trip. Lost connections are retried the same
   bounded way.
-- Schema: server/migrations/postgres/NNN_*.sql, applied at open under a transaction-scoped
+- Schema: storage/migrations/postgres/NNN_*.sql, applied at open under a transaction-scoped
   advisory lock, so replicas that start together migrate once.
 - SQL: the coordinator's portable SQL uses `?` placeholders; `convert_placeholders` turns them
   into psycopg's `%s`.
@@ -52,11 +52,11 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from rngcoord.server.errors import Unavailable
-from rngcoord.server.groupcommit import GroupCommitWriter
 from rngcoord.server.logs import event
-from rngcoord.server.replication import SQL as REPLICATION_SQL
-from rngcoord.server.replication import Replication, ReplicationRefused
-from rngcoord.server.store import (
+from rngcoord.server.storage.groupcommit import GroupCommitWriter
+from rngcoord.server.storage.replication import SQL as REPLICATION_SQL
+from rngcoord.server.storage.replication import Replication, ReplicationRefused
+from rngcoord.server.storage.store import (
     KnownHead,
     ReadAhead,
     StoreLost,

@@ -50,7 +50,7 @@ from typing import Any, TypeVar, cast
 
 from rngcoord.server.errors import CoordinatorError, Unavailable
 from rngcoord.server.logs import event, get_logger
-from rngcoord.server.store import ReadAhead, Tx, WriteProblem
+from rngcoord.server.storage.store import ReadAhead, Tx, WriteProblem
 
 __all__ = ["GroupCommitWriter"]
 
