@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from harness import CoordinatorFactory, CoordinatorProcess, PostgresDatabases, join_all, secret_for
-from rngcoord.server.views import GroupView, group_state
+from rngcoord.server.web.views import GroupView, group_state
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc
 

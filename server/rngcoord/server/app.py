@@ -5,7 +5,7 @@
 a `grpc.aio` server carrying the Coordinator servicer behind the gate (rate limit, decoding,
 tokens and roles: rngcoord.server.gate), the grpc.health.v1 health service (NOT_SERVING while
 the store is lost or failing) and server reflection, optional TLS/mTLS, the HTTP side on the
-same event loop (status page, JSON API and Prometheus /metrics: rngcoord.server.status), and
+same event loop (status page, JSON API and Prometheus /metrics: rngcoord.server.web.status), and
 the anchor writer (the chain's head, signed, to an append-only file and the
 log). No RPC holds a thread: handlers are coroutines, the store's writes go to its
 group-commit writer thread and its reads to a few reader threads.
@@ -52,9 +52,9 @@ from rngcoord.server.gate import Gate, PeerActivity, PeerRateLimit, RefusalLog, 
 from rngcoord.server.logs import configure, event, get_logger
 from rngcoord.server.metrics import Metrics
 from rngcoord.server.service import CoordinatorServicer
-from rngcoord.server.status import StatusServer
 from rngcoord.server.storage.store import Store, StoreNotFound
 from rngcoord.server.storage.stores import open_store
+from rngcoord.server.web.status import StatusServer
 from rngcoord.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 Each `Metrics` owns its own registry, so several servers in one process (tests, embedding)
 never collide. The servicer counts; the Coordinator itself knows nothing of Prometheus. The
-registry is exposed at /metrics by the server's HTTP side (rngcoord.server.status).
+registry is exposed at /metrics by the server's HTTP side (rngcoord.server.web.status).
 
 Exposed series:
 - `rngcoord_grants_total`: leases granted by a durable write.

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rngcoord.server.storage.store import Store
-from rngcoord.server.views import GroupHistory, JobReport, LeasePoint, job_report
+from rngcoord.server.web.views import GroupHistory, JobReport, LeasePoint, job_report
 from rngcoord.v1.rules import MAX_OFFSET
 
 __all__ = ["MAX_BARS", "ReportUnavailable", "render_report", "write_report"]

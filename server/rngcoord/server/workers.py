@@ -18,7 +18,7 @@ The supervisor:
   digests, never tokens) to its workers over a pipe each; a file that no longer parses is
   logged and the last good table stays, for the running workers and for those it restarts;
 - serves the HTTP side itself (status page, its API, and Prometheus /metrics aggregating the
-  workers' metrics with prometheus_client's multiprocess mode: rngcoord.server.status);
+  workers' metrics with prometheus_client's multiprocess mode: rngcoord.server.web.status);
 - writes the ready file once every worker serves;
 - restarts a worker that dies (after 1 s, doubling up to 30 s while it keeps dying before it
   serves), and on SIGTERM or SIGINT tells every worker to drain; a second one kills them.
@@ -61,8 +61,8 @@ from rngcoord.server.app import (
 )
 from rngcoord.server.auth import TokenTable, load_tokens
 from rngcoord.server.logs import configure, event, get_logger
-from rngcoord.server.status import StatusThread
 from rngcoord.server.storage.store import Store
+from rngcoord.server.web.status import StatusThread
 
 __all__ = ["serve_workers", "supervise"]
 
@@ -470,8 +470,8 @@ def _serve_status(
     from prometheus_client import CollectorRegistry, multiprocess
 
     from rngcoord.server.audit import Chain, load_key
-    from rngcoord.server.status import StatusServer, StoreSource
     from rngcoord.server.storage.stores import open_store
+    from rngcoord.server.web.status import StatusServer, StoreSource
 
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=metrics_dir)  # type: ignore[no-untyped-call]

@@ -1,4 +1,4 @@
-"""Read-only views of a store for people: the status page (rngcoord.server.status) and the
+"""Read-only views of a store for people: the status page (rngcoord.server.web.status) and the
 report (rngcoord.server.report).
 
 Every function here takes an open transaction and only reads. The status page refreshes each

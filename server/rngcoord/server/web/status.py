@@ -5,7 +5,7 @@
 served over TLS with the same certificate as the gRPC side). Routes:
 
 - `GET /`: the status page (Jinja2, server-side rendered): the jobs, grouped by state (active,
-  idle, finished; see `rngcoord.server.views.group_state`), newest activity first, with a
+  idle, finished; see `rngcoord.server.web.views.group_state`), newest activity first, with a
   filter box; for each group its current epoch, members by rank (member id, peer, join time,
   whether it left), leases granted, the high-water mark as a share of the usable offset space,
   restores, and a banner naming the ranks of a divergence; then the audit tail (newest first),
@@ -84,7 +84,7 @@ from rngcoord.server.auth import Identity, TokenTable
 from rngcoord.server.logs import event, get_logger
 from rngcoord.server.storage.queries import audit_head
 from rngcoord.server.storage.store import Store, Tx
-from rngcoord.server.views import GroupView, group_state, group_views
+from rngcoord.server.web.views import GroupView, group_state, group_views
 from rngcoord.v1.types import AuditRecord
 
 __all__ = [
