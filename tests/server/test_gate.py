@@ -22,7 +22,7 @@ import pytest
 from harness import CoordinatorFactory, CoordinatorProcess, secret_for
 from rngcoord.client.session import SessionStub
 from rngcoord.server.addresses import peer_host
-from rngcoord.server.gate import PeerRateLimit
+from rngcoord.server.rpc.gate import PeerRateLimit
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.status import error_info
 

@@ -22,8 +22,8 @@ import grpc
 import pytest
 
 from harness import CoordinatorFactory, CoordinatorProcess, secret_for
-from rngcoord.server.connections import Connection, scan_connections, shut_down, tcp_in_use
-from rngcoord.server.gate import RefusalLog
+from rngcoord.server.rpc.connections import Connection, scan_connections, shut_down, tcp_in_use
+from rngcoord.server.rpc.gate import RefusalLog
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 from rngcoord.v1.status import error_info

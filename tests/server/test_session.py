@@ -24,8 +24,8 @@ from harness import CoordinatorFactory, CoordinatorProcess, LoopThread, join_all
 from rngcoord.client.connection import CoordinatorClient
 from rngcoord.client.errors import RNGCoordError
 from rngcoord.client.session import SessionStub
-from rngcoord.server import session
-from rngcoord.server.gate import StreamCaps
+from rngcoord.server.rpc import session
+from rngcoord.server.rpc.gate import StreamCaps
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.status import error_info
 

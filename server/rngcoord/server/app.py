@@ -3,7 +3,7 @@
 `run_server` builds everything and serves until told to stop: the store (created only with
 `init`; see `open_for_serving`), the audit chain (keyed with the audit key), the Coordinator,
 a `grpc.aio` server carrying the Coordinator servicer behind the gate (rate limit, decoding,
-tokens and roles: rngcoord.server.gate), the grpc.health.v1 health service (NOT_SERVING while
+tokens and roles: rngcoord.server.rpc.gate), the grpc.health.v1 health service (NOT_SERVING while
 the store is lost or failing) and server reflection, optional TLS/mTLS, the HTTP side on the
 same event loop (status page, JSON API and Prometheus /metrics: rngcoord.server.web.status), and
 the anchor writer (the chain's head, signed, to an append-only file and the
@@ -45,13 +45,13 @@ from grpc_reflection.v1alpha import reflection
 from rngcoord.server import anchors, audit
 from rngcoord.server.addresses import join_host_port, redact_url, split_host_port
 from rngcoord.server.auth import TokenTable, load_tokens
-from rngcoord.server.connections import ConnectionGuard
 from rngcoord.server.coordinator import Coordinator
 from rngcoord.server.floors import apply_floors, read_floors
-from rngcoord.server.gate import Gate, PeerActivity, PeerRateLimit, RefusalLog, StreamCaps
 from rngcoord.server.logs import configure, event, get_logger
 from rngcoord.server.metrics import Metrics
-from rngcoord.server.service import CoordinatorServicer
+from rngcoord.server.rpc.connections import ConnectionGuard
+from rngcoord.server.rpc.gate import Gate, PeerActivity, PeerRateLimit, RefusalLog, StreamCaps
+from rngcoord.server.rpc.service import CoordinatorServicer
 from rngcoord.server.storage.store import Store, StoreNotFound
 from rngcoord.server.storage.stores import open_store
 from rngcoord.server.web.status import StatusServer
@@ -158,7 +158,7 @@ class ServerOptions:
             a token file (`--status-open`). Default False: they need an auditor or admin
             token (and are open only when there is no token file at all).
         max_connections_per_host: most client connections of one peer host; the guard
-            (rngcoord.server.connections) closes the newest past it. Default None: a quarter
+            (rngcoord.server.rpc.connections) closes the newest past it. Default None: a quarter
             of `max_connections`.
         crowded_idle_timeout_s: while the process holds more than half its connection cap,
             a connection with no call for this long is closed. Default 10.
@@ -316,7 +316,7 @@ def grpc_options(options: ServerOptions, fd_limit: int) -> list[tuple[str, int]]
         # Connections past the cap are closed at accept, so idle sockets can never take the
         # file descriptors that the store and the accepted clients need; one that never
         # completes its HTTP/2 handshake is dropped after the handshake timeout. gRPC closes
-        # them whoever they come from: the connection guard (rngcoord.server.connections)
+        # them whoever they come from: the connection guard (rngcoord.server.rpc.connections)
         # keeps one host from taking every place, and keeps places free below the cap.
         ("grpc.max_allowed_incoming_connections", max_connections),
         ("grpc.server_handshake_timeout_ms", round(options.handshake_timeout_s * 1000)),

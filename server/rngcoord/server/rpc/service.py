@@ -2,7 +2,7 @@
 
 It holds no domain logic. Every handler is a coroutine on the server's event loop: a waiting
 JoinGroup holds no thread, and a caller that cancels or disconnects cancels its handler (the
-barrier withdraws its join). Calls reach it through the gate (rngcoord.server.gate), which has
+barrier withdraws its join). Calls reach it through the gate (rngcoord.server.rpc.gate), which has
 admitted, decoded and authorized them. For every RPC it calls the transport-free
 `Coordinator` and:
 
@@ -33,14 +33,14 @@ from typing import NoReturn
 import grpc
 from grpc_status import rpc_status
 
-from rngcoord.server import session
 from rngcoord.server.addresses import peer_host
 from rngcoord.server.coordinator import Coordinator
 from rngcoord.server.errors import CoordinatorError, Divergence, InvalidArgument, Unavailable
-from rngcoord.server.gate import StreamCaps, current_identity
 from rngcoord.server.logs import event, get_logger
 from rngcoord.server.membership import Caller
 from rngcoord.server.metrics import Metrics
+from rngcoord.server.rpc import session
+from rngcoord.server.rpc.gate import StreamCaps, current_identity
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 from rngcoord.v1.status import HEAD_TRAILER, rich_status

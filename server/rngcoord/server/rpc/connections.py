@@ -40,8 +40,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from rngcoord.server.gate import PeerActivity, RefusalLog
 from rngcoord.server.logs import event, get_logger
+from rngcoord.server.rpc.gate import PeerActivity, RefusalLog
 
 __all__ = ["Connection", "ConnectionGuard", "scan_connections", "tcp_in_use"]
 

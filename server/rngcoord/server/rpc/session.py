@@ -27,8 +27,8 @@ from google.rpc import status_pb2
 
 from rngcoord.server.addresses import peer_host
 from rngcoord.server.errors import CoordinatorError, InvalidArgument
-from rngcoord.server.gate import StreamCaps
 from rngcoord.server.logs import event, get_logger
+from rngcoord.server.rpc.gate import StreamCaps
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.status import HEAD_TRAILER, rich_status
 
