@@ -671,8 +671,8 @@ def measure_in_process(args: argparse.Namespace, db_url: str, system: str) -> Re
     grant path can do by itself. Its callers are coroutines on the Coordinator's loop (each
     owns a group of world size 1 and asks for the next seq in a closed loop), so they share
     its GIL, as the servicer's loop does in a server."""
-    from rngcoord.server.coordinator import Coordinator
-    from rngcoord.server.membership import Caller
+    from rngcoord.server.core.coordinator import Coordinator
+    from rngcoord.server.core.membership import Caller
     from rngcoord.server.storage.stores import open_store
 
     clients = max(args.levels)

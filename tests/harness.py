@@ -38,8 +38,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rngcoord.server import audit
-from rngcoord.server.coordinator import Coordinator
-from rngcoord.server.membership import Caller
+from rngcoord.server.core.coordinator import Coordinator
+from rngcoord.server.core.membership import Caller
 from rngcoord.server.storage.sqlite import SqliteStore
 from rngcoord.server.storage.store import ReadAhead, Tx, WriteProblem
 from rngcoord.v1 import coordinator_pb2, coordinator_pb2_grpc

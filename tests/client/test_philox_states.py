@@ -29,7 +29,7 @@ UPSTREAM_LAYOUT = {0, 3, 5}
 
 
 def group_seed(job_seed: int, group: str) -> int:
-    """The coordinator's group seed (SPEC: server/seeds.py), computed independently."""
+    """The coordinator's group seed (SPEC: proto/rngcoord/v1/seeds.py), computed independently."""
     digest = hashlib.sha256(
         b"rngcoord/v1/group-seed\0" + job_seed.to_bytes(8, "big") + group.encode("utf-8")
     ).digest()

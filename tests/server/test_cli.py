@@ -32,7 +32,7 @@ from harness import (
     secret_for,
     token_leaks,
 )
-from rngcoord.server.membership import Caller
+from rngcoord.server.core.membership import Caller
 from rngcoord.server.storage.sqlite import SqliteStore
 from rngcoord.server.verify import UNANCHORED_NOTE
 

@@ -31,8 +31,9 @@ from harness import (
     reserve,
     secret_for,
 )
-from rngcoord.server import divergences, seeds
-from rngcoord.server.coordinator import Coordinator
+from rngcoord.server.core import divergences, seeds
+from rngcoord.server.core.coordinator import Coordinator
+from rngcoord.server.core.membership import Caller
 from rngcoord.server.errors import (
     CoordinatorError,
     Divergence,
@@ -45,7 +46,6 @@ from rngcoord.server.errors import (
     RestoreTimeout,
     StaleEpoch,
 )
-from rngcoord.server.membership import Caller
 from rngcoord.server.storage.sqlite import SqliteStore
 from rngcoord.server.verify import verify
 from rngcoord.v1.rules import ATTEST_EVERY, MAX_OFFSET
@@ -707,7 +707,7 @@ def test_restore_at_seq_zero_of_a_new_epoch_resumes_a_checkpoint(h: InProcess) -
 
 
 def test_list_audit_filters_and_pages(h: InProcess, monkeypatch: pytest.MonkeyPatch) -> None:
-    import rngcoord.server.coordinator as coordinator_module
+    import rngcoord.server.core.coordinator as coordinator_module
 
     monkeypatch.setattr(coordinator_module, "_AUDIT_PAGE", 2)
     form(h, "a")

@@ -22,7 +22,7 @@ import pytest
 
 from harness import DEFAULT_POSTGRES, POSTGRES_ENV, LoopThread, caller, gather_list, secret_for
 from rngcoord.server.audit import Chain
-from rngcoord.server.coordinator import Coordinator
+from rngcoord.server.core.coordinator import Coordinator
 from rngcoord.server.errors import Divergence, InvalidArgument, StaleEpoch, Unavailable
 from rngcoord.server.storage.postgres import PostgresStore, convert_placeholders
 from rngcoord.server.storage.store import ReadAhead, Tx

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from harness import CoordinatorProcess, join_all, secret_for
-from rngcoord.server.resizes import MAX_PER_EPOCH
+from rngcoord.server.core.resizes import MAX_PER_EPOCH
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 

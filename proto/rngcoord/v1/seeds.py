@@ -3,7 +3,7 @@
 Every group's seed is a pure function of the root seed and the group's name, so two jobs with
 the same root seed and the same group names get the same seeds (each group starts at cursor
 0), which is what makes a run reproducible from its root seed alone. The coordinator derives
-them when a group is created (rngcoord.server.barrier) and checks them (`rngcoord verify`);
+them when a group is created (rngcoord.server.core.barrier) and checks them (`rngcoord verify`);
 the client checks a loaded state's streams against them before it restores anything.
 
 The derivation, `group_seed`, is part of the contract:

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rngcoord.server.app import RunningServer, TLSConfig, serve, start_server
-    from rngcoord.server.coordinator import Coordinator
+    from rngcoord.server.core.coordinator import Coordinator
+    from rngcoord.server.core.seeds import group_seed
     from rngcoord.server.errors import CoordinatorError
-    from rngcoord.server.seeds import group_seed
     from rngcoord.server.storage.store import Store
     from rngcoord.server.storage.stores import open_store
     from rngcoord.server.verify import VerifyReport, verify
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "Coordinator": "coordinator",
+    "Coordinator": "core.coordinator",
     "CoordinatorError": "errors",
     "GroupInfo": "rngcoord.v1.types",
     "JoinResult": "rngcoord.v1.types",
@@ -41,7 +41,7 @@ _EXPORTS = {
     "Store": "storage.store",
     "TLSConfig": "app",
     "VerifyReport": "verify",
-    "group_seed": "seeds",
+    "group_seed": "core.seeds",
     "open_store": "storage.stores",
     "serve": "app",
     "start_server": "app",

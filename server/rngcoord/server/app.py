@@ -45,8 +45,8 @@ from grpc_reflection.v1alpha import reflection
 from rngcoord.server import anchors, audit
 from rngcoord.server.addresses import join_host_port, redact_url, split_host_port
 from rngcoord.server.auth import TokenTable, load_tokens
-from rngcoord.server.coordinator import Coordinator
-from rngcoord.server.floors import apply_floors, read_floors
+from rngcoord.server.core.coordinator import Coordinator
+from rngcoord.server.core.floors import apply_floors, read_floors
 from rngcoord.server.logs import configure, event, get_logger
 from rngcoord.server.metrics import Metrics
 from rngcoord.server.rpc.connections import ConnectionGuard

@@ -4,7 +4,7 @@ A Python process serves from one core (the GIL). To use every core, the supervis
 worker processes that each run `rngcoord.server.app.run_server` with SO_REUSEPORT on the same
 port; the kernel spreads incoming connections over them. They share the store, which already
 serialises writers (SQLite's file lock with BEGIN IMMEDIATE; PostgreSQL's `audit_head` row
-lock), and each follows the others' changes through the change feed (rngcoord.server.feed):
+lock), and each follows the others' changes through the change feed (rngcoord.server.core.feed):
 a join barrier that forms in one worker wakes the joins waiting in the others.
 
 The supervisor:

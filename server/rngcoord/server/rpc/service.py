@@ -34,10 +34,10 @@ import grpc
 from grpc_status import rpc_status
 
 from rngcoord.server.addresses import peer_host
-from rngcoord.server.coordinator import Coordinator
+from rngcoord.server.core.coordinator import Coordinator
+from rngcoord.server.core.membership import Caller
 from rngcoord.server.errors import CoordinatorError, Divergence, InvalidArgument, Unavailable
 from rngcoord.server.logs import event, get_logger
-from rngcoord.server.membership import Caller
 from rngcoord.server.metrics import Metrics
 from rngcoord.server.rpc import session
 from rngcoord.server.rpc.gate import StreamCaps, current_identity

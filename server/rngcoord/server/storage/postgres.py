@@ -92,7 +92,7 @@ reading it again."""
 
 CHANGES_CHANNEL: Final = "rngcoord_changes"
 """Every write transaction sends a NOTIFY on this channel, delivered when it commits: the
-replicas' change feeds (rngcoord.server.feed) listen to it."""
+replicas' change feeds (rngcoord.server.core.feed) listen to it."""
 _BEGIN_READ = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
 
 # SQLSTATEs after which a transaction certainly did not commit and may simply run again:

@@ -4,7 +4,7 @@ Statements are portable (`?` placeholders; the PostgreSQL backend rewrites them)
 up by primary key, so that a request costs O(1) whatever the world size: membership is kept
 by (epoch, rank) in `members`, and a join barrier's state is two counters on its group's row.
 uint64 values are stored biased (`rngcoord.server.storage.store.to_db`). The rules that
-decide what to write live in rngcoord.server.coordinator and rngcoord.server.barrier; this
+decide what to write live in rngcoord.server.core.coordinator and rngcoord.server.core.barrier; this
 module only reads and writes rows.
 """
 

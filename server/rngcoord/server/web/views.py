@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from rngcoord.server import divergences
+from rngcoord.server.core import divergences
 from rngcoord.server.storage.store import Tx, from_db
 from rngcoord.v1.rules import MAX_OFFSET
 

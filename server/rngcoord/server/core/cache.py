@@ -11,7 +11,7 @@ Four bounded maps, each evicting its oldest entry when full:
 
 Granted leases, first attestations and formed epochs never change; what does change (a
 group's current epoch, a divergence, a leave) is dropped from the cache by the change feed
-(rngcoord.server.feed) and by this process's own writes, and a hit uses the cache only while
+(rngcoord.server.core.feed) and by this process's own writes, and a hit uses the cache only while
 the feed is fresh (docs/design.md §7.4 gives the staleness bound). Grants, first
 attestations and divergences, and the fencing of grants, always consult the store.
 """

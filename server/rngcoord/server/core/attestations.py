@@ -5,7 +5,7 @@ compare with it, from memory (first attestations never change) or on a reader, s
 count's first attestation, or a divergence, reaches the writer. A first attestation must be
 within what the epoch's leases since the anchor can hold (an op draws at least 4 offsets), so
 a member cannot plant one far ahead of the ops. A divergence is recorded by
-rngcoord.server.divergences, which hears every member that attests the same count.
+rngcoord.server.core.divergences, which hears every member that attests the same count.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from __future__ import annotations
 import functools
 from typing import TypeVar
 
-from rngcoord.server import divergences
-from rngcoord.server.cache import AttestationKey, GroupState
-from rngcoord.server.context import Handler
+from rngcoord.server.core import divergences
+from rngcoord.server.core.cache import AttestationKey, GroupState
+from rngcoord.server.core.context import Handler
+from rngcoord.server.core.membership import Caller, fence, fields, not_found, read_member
 from rngcoord.server.errors import Divergence, InvalidArgument
-from rngcoord.server.membership import Caller, fence, fields, not_found, read_member
 from rngcoord.server.storage import queries
 from rngcoord.server.storage.store import Tx
 from rngcoord.v1.rules import check_attested_ops, check_fingerprint, check_seq

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import functools
 
-from rngcoord.server.context import Handler
+from rngcoord.server.core.context import Handler
+from rngcoord.server.core.membership import Caller, fields, read_member
 from rngcoord.server.errors import InvalidArgument
-from rngcoord.server.membership import Caller, fields, read_member
 from rngcoord.server.storage import queries
 from rngcoord.server.storage.store import Tx
 from rngcoord.v1.rules import check_cursor, check_name

@@ -16,7 +16,7 @@ When the count reaches the world size, that batch forms the epoch in the same tr
 pending rows become the epoch's `members`, their digest is recorded, the group's epoch rises
 (fencing every older one) and an `epoch` audit record is appended. The waiters of this process
 wake at once; those of other processes (workers, replicas) wake when their change feed
-(rngcoord.server.feed) reads the audit record.
+(rngcoord.server.core.feed) reads the audit record.
 
 A waiter whose deadline passes withdraws its pending row (if it still holds it), appends a
 `join_timeout` record naming up to 16 missing ranks, and fails with JOIN_TIMEOUT. The deadline
@@ -37,13 +37,14 @@ from typing import Any, TypeVar
 from rngcoord.server.addresses import peer_host
 from rngcoord.server.audit import Chain
 from rngcoord.server.clock import Clock
+from rngcoord.server.core.membership import bad_credential, rank_list
+from rngcoord.server.core.seeds import draw_job_seed
 from rngcoord.server.errors import CoordinatorError, FailedPrecondition, JoinTimeout
 from rngcoord.server.logs import event, get_logger
-from rngcoord.server.membership import bad_credential, rank_list
-from rngcoord.server.seeds import draw_job_seed, group_seed
 from rngcoord.server.storage import queries
 from rngcoord.server.storage.store import Store, StoreLost, Tx
 from rngcoord.v1 import coordinator_pb2 as pb
+from rngcoord.v1.seeds import group_seed
 from rngcoord.v1.types import JoinResult, members_digest
 
 __all__ = ["Barriers", "JoinRequest", "ranks_text"]

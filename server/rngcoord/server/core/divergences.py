@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rngcoord.server.audit import Chain
+from rngcoord.server.core.membership import rank_list
 from rngcoord.server.errors import Divergence
-from rngcoord.server.membership import rank_list
 from rngcoord.server.storage import queries
 from rngcoord.server.storage.store import Tx
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from rngcoord.server.audit import Chain
-from rngcoord.server.cache import Cache
 from rngcoord.server.clock import Clock
+from rngcoord.server.core.cache import Cache
 from rngcoord.server.storage.store import ReadAhead, Tx
 
 __all__ = ["Context", "Handler", "Write"]

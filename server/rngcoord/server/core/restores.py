@@ -13,10 +13,10 @@ import asyncio
 import collections
 import functools
 
-from rngcoord.server.context import Context, Handler
+from rngcoord.server.core.context import Context, Handler
+from rngcoord.server.core.feed import FeedRecord
+from rngcoord.server.core.membership import Caller, fields, read_epoch, read_member
 from rngcoord.server.errors import FailedPrecondition, ResourceExhausted, RestoreTimeout
-from rngcoord.server.feed import FeedRecord
-from rngcoord.server.membership import Caller, fields, read_epoch, read_member
 from rngcoord.server.storage import queries
 from rngcoord.server.storage.store import Tx
 from rngcoord.v1 import coordinator_pb2 as pb

@@ -9,7 +9,7 @@ operation of the group-commit writer that re-checks, inside its transaction, eve
 read path checked, so concurrent requests and other processes cannot slip between the
 check and the change: a member of a replaced epoch never gets a new grant, whatever any
 cache holds (§2.4). Every path fences the caller with `membership.fence`; a divergence is
-recorded and named by rngcoord.server.divergences.
+recorded and named by rngcoord.server.core.divergences.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from __future__ import annotations
 import functools
 import logging
 
-from rngcoord.server import divergences
-from rngcoord.server.cache import GroupState
-from rngcoord.server.context import Handler
+from rngcoord.server.core import divergences
+from rngcoord.server.core.cache import GroupState
+from rngcoord.server.core.context import Handler
+from rngcoord.server.core.membership import Caller, check_epoch, fence, fields, not_found
 from rngcoord.server.errors import Divergence, FailedPrecondition, ResourceExhausted
 from rngcoord.server.logs import event, get_logger
-from rngcoord.server.membership import Caller, check_epoch, fence, fields, not_found
 from rngcoord.server.storage import queries
 from rngcoord.server.storage.store import Tx, from_db
 from rngcoord.v1 import coordinator_pb2 as pb

@@ -1,8 +1,8 @@
 """The change feed: every coordinator process tails the audit chain for changes made by others.
 
 Several processes may serve one store: the workers of `rngcoord serve --workers N`, and
-replicas on one PostgreSQL database. Each keeps a cache (rngcoord.server.cache) and waiting
-joins (rngcoord.server.barrier) that must learn of epochs formed, members that left and
+replicas on one PostgreSQL database. Each keeps a cache (rngcoord.server.core.cache) and waiting
+joins (rngcoord.server.core.barrier) that must learn of epochs formed, members that left and
 divergences recorded by the others. Every such change appends an audit record in the same
 transaction, so the chain itself is the feed: each process reads the records after the last
 one it has seen, of the kinds that matter, and hands them to `on_record`.
@@ -40,7 +40,7 @@ T = TypeVar("T")
 
 FEED_KINDS = ("epoch", "leave", "divergence", "restore", "resize")
 """The audit kinds that change what a hit or a waiting join may answer, and `resize`, which
-changes nothing but is logged (rngcoord.server.coordinator logs every kind here once)."""
+changes nothing but is logged (rngcoord.server.core.coordinator logs every kind here once)."""
 
 _PAGE = 2000
 _log = get_logger("feed")

@@ -4,13 +4,13 @@
 process, waits on futures (never on threads), and leaves the store work to the store's
 group-commit writer thread and to reader threads. Its layers:
 
-- who calls as which member, and the one fencing rule: rngcoord.server.membership;
-- the join barrier: rngcoord.server.barrier; Reserve: rngcoord.server.grants; attestations:
-  rngcoord.server.attestations; restores: rngcoord.server.restores; divergences:
-  rngcoord.server.divergences;
+- who calls as which member, and the one fencing rule: `membership` (in this package,
+  rngcoord.server.core);
+- the join barrier: `barrier`; Reserve: `grants`; attestations: `attestations`; restores:
+  `restores`; divergences: `divergences`;
 - SQL and row decoding: rngcoord.server.storage.queries; field checks: rngcoord.v1.rules;
-- what a hit answers from memory: rngcoord.server.cache, kept current by the change feed
-  (rngcoord.server.feed) across the processes that share the store.
+- what a hit answers from memory: `cache`, kept current by the change feed (`feed`) across
+  the processes that share the store.
 """
 
 from __future__ import annotations
@@ -24,20 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from rngcoord.server import audit
-from rngcoord.server.attestations import Attestations
 from rngcoord.server.audit import Chain
-from rngcoord.server.barrier import Barriers, JoinRequest
-from rngcoord.server.cache import Cache
 from rngcoord.server.clock import Clock, SystemClock
-from rngcoord.server.context import Context
-from rngcoord.server.errors import (
-    InvalidArgument,
-    Unavailable,
-)
-from rngcoord.server.feed import Feed, FeedRecord
-from rngcoord.server.grants import Grants
-from rngcoord.server.logs import event, get_logger
-from rngcoord.server.membership import (
+from rngcoord.server.core.attestations import Attestations
+from rngcoord.server.core.barrier import Barriers, JoinRequest
+from rngcoord.server.core.cache import Cache
+from rngcoord.server.core.context import Context
+from rngcoord.server.core.feed import Feed, FeedRecord
+from rngcoord.server.core.grants import Grants
+from rngcoord.server.core.membership import (
     Caller,
     fence,
     fields,
@@ -45,8 +40,13 @@ from rngcoord.server.membership import (
     secret_hash,
     wait_s,
 )
-from rngcoord.server.resizes import Resizes
-from rngcoord.server.restores import Restores
+from rngcoord.server.core.resizes import Resizes
+from rngcoord.server.core.restores import Restores
+from rngcoord.server.errors import (
+    InvalidArgument,
+    Unavailable,
+)
+from rngcoord.server.logs import event, get_logger
 from rngcoord.server.storage import queries
 from rngcoord.server.storage.store import ReadAhead, Store, StoreLost, StoreRewound, Tx, row_reader
 from rngcoord.v1.rules import (
@@ -492,7 +492,7 @@ class Coordinator:
 
     async def reserve(self, caller: Caller, *, seq: int, size: int, fingerprint: bytes) -> Lease:
         """Return the lease (epoch, seq) of the caller's group, granting it durably if new
-        (rngcoord.server.grants)."""
+        (rngcoord.server.core.grants)."""
         return await self._grants.reserve(caller, seq=seq, size=size, fingerprint=fingerprint)
 
     # ---------------------------------------------------------- attest and restore
@@ -501,7 +501,7 @@ class Coordinator:
         self, caller: Caller, *, anchor_seq: int, ops: int, fingerprint: bytes
     ) -> None:
         """Compare the caller's op fingerprint after `ops` random ops since the anchor lease
-        `anchor_seq` with the first one attested (rngcoord.server.attestations)."""
+        `anchor_seq` with the first one attested (rngcoord.server.core.attestations)."""
         await self._attestations.attest(
             caller, anchor_seq=anchor_seq, ops=ops, fingerprint=fingerprint
         )
@@ -518,7 +518,7 @@ class Coordinator:
     ) -> RestoreResult:
         """The caller's vote to make lease `seq` of its epoch start at `cursor`, waiting at
         most `timeout_s` (None: the join timeout; capped at `max_join_timeout_s`) for the
-        other members (rngcoord.server.restores); `from_job` names the job whose checkpoint
+        other members (rngcoord.server.core.restores); `from_job` names the job whose checkpoint
         the cursor comes from, when it is another job's ("" by default: this job's)."""
         return await self._restores.restore(
             caller,
@@ -531,7 +531,7 @@ class Coordinator:
 
     async def record_resize(self, caller: Caller, *, saved_group: str, saved_cursor: int) -> bool:
         """Audit that the caller's epoch could not continue the checkpoint stream of
-        `saved_group` (rngcoord.server.resizes); True when it had been recorded already."""
+        `saved_group` (rngcoord.server.core.resizes); True when it had been recorded already."""
         return await self._resizes.record(
             caller, saved_group=saved_group, saved_cursor=saved_cursor
         )
