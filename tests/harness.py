@@ -37,7 +37,7 @@ from urllib.parse import urlsplit, urlunsplit
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rngcoord.server import audit
+from rngcoord.server.audit.chain import GENESIS_HASH, Chain, open_chain
 from rngcoord.server.core.coordinator import Coordinator
 from rngcoord.server.core.membership import Caller
 from rngcoord.server.storage.sqlite import SqliteStore
@@ -530,7 +530,7 @@ class InProcess:
         self.loop = loop
         self.store = store
         self.clock = clock
-        chain = audit.open_chain(store, key, now_us=clock.now_us(), actor="test")
+        chain = open_chain(store, key, now_us=clock.now_us(), actor="test")
 
         async def make() -> Coordinator:
             coordinator = Coordinator(store, join_timeout_s=10.0, clock=clock, chain=chain)
@@ -660,9 +660,9 @@ def join(
 def rehash_from(raw: sqlite3.Connection, first: int) -> None:
     """Recompute every hash of an SQLite store's chain from record `first` on with plain
     SHA-256 and fix audit_head, as a forger without the key would."""
-    chain = audit.Chain("ignored")  # unkeyed: the forger has no key
+    chain = Chain("ignored")  # unkeyed: the forger has no key
     row = raw.execute("SELECT hash FROM audit WHERE id = ?", (first - 1,)).fetchone()
-    prev = audit.GENESIS_HASH if row is None else row[0]
+    prev = GENESIS_HASH if row is None else row[0]
     rows = raw.execute(
         "SELECT id, ts_us, job, grp, kind, actor, detail FROM audit WHERE id >= ? ORDER BY id",
         (first,),

@@ -32,9 +32,9 @@ from harness import (
     secret_for,
     token_leaks,
 )
+from rngcoord.server.audit.verify import UNANCHORED_NOTE
 from rngcoord.server.core.membership import Caller
 from rngcoord.server.storage.sqlite import SqliteStore
-from rngcoord.server.verify import UNANCHORED_NOTE
 
 JOB = "cli-job"
 ACTOR = "trainer-identity: rank 0 member m0 @ ipv4:127.0.0.1:40000"

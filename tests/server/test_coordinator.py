@@ -31,6 +31,7 @@ from harness import (
     reserve,
     secret_for,
 )
+from rngcoord.server.audit.verify import verify
 from rngcoord.server.core import divergences, seeds
 from rngcoord.server.core.coordinator import Coordinator
 from rngcoord.server.core.membership import Caller
@@ -47,7 +48,6 @@ from rngcoord.server.errors import (
     StaleEpoch,
 )
 from rngcoord.server.storage.sqlite import SqliteStore
-from rngcoord.server.verify import verify
 from rngcoord.v1.rules import ATTEST_EVERY, MAX_OFFSET
 from rngcoord.v1.types import AuditRecord, JoinResult, Lease, RestoreResult, members_digest
 

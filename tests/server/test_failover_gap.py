@@ -30,9 +30,9 @@ from harness import (
     secret_for,
 )
 from rngcoord.client import CoordinatorClient
-from rngcoord.server.anchors import read_anchor_files
+from rngcoord.server.audit.anchors import read_anchor_files
+from rngcoord.server.audit.verify import verify
 from rngcoord.server.storage.sqlite import SqliteStore
-from rngcoord.server.verify import verify
 from rngcoord.v1.types import JoinResult, Lease
 
 

@@ -21,12 +21,12 @@ import psycopg
 import pytest
 
 from harness import DEFAULT_POSTGRES, POSTGRES_ENV, LoopThread, caller, gather_list, secret_for
-from rngcoord.server.audit import Chain
+from rngcoord.server.audit.chain import Chain
+from rngcoord.server.audit.verify import verify
 from rngcoord.server.core.coordinator import Coordinator
 from rngcoord.server.errors import Divergence, InvalidArgument, StaleEpoch, Unavailable
 from rngcoord.server.storage.postgres import PostgresStore, convert_placeholders
 from rngcoord.server.storage.store import ReadAhead, Tx
-from rngcoord.server.verify import verify
 from rngcoord.v1.types import JoinResult, Lease
 
 ADMIN_URL = os.environ.get(POSTGRES_ENV) or DEFAULT_POSTGRES

@@ -28,11 +28,11 @@ from harness import (
     rehash_from,
     reserve,
 )
-from rngcoord.server import audit
-from rngcoord.server.anchors import read_anchors
+from rngcoord.server.audit.anchors import read_anchors
+from rngcoord.server.audit.chain import Chain, key_id, load_key
+from rngcoord.server.audit.verify import UNANCHORED_NOTE, verify
 from rngcoord.server.storage.sqlite import SqliteStore
 from rngcoord.server.storage.store import Tx, to_db
-from rngcoord.server.verify import UNANCHORED_NOTE, verify
 
 KEY = bytes(range(32))
 
@@ -87,7 +87,7 @@ def test_without_the_key_verify_says_what_it_could_not_check(h: InProcess) -> No
     report = verify(h.store)
     assert report.ok
     assert report.notes == [
-        f"records from 1 on are MACed under key id {audit.key_id(KEY)}: their MACs and the "
+        f"records from 1 on are MACed under key id {key_id(KEY)}: their MACs and the "
         "anchors' signatures were not checked (pass --audit-key)",
         UNANCHORED_NOTE,
     ]
@@ -126,7 +126,7 @@ def test_a_forged_record_appended_with_a_correct_hash_is_caught(h: InProcess, db
         detail = json.dumps(
             {"epoch": 1, "seq": 3, "start": 192, "end": 256, "size": 64}, separators=(",", ":")
         )
-        body = audit.Chain("x").digest(
+        body = Chain("x").digest(
             last_id + 1, 0, TEST_JOB, "g", "grant", "forger", detail, last_hash
         )
         raw.execute(
@@ -282,10 +282,10 @@ def test_key_files_are_checked_and_never_echoed(tmp_path: Path) -> None:
     bad = tmp_path / "bad.key"
     bad.write_text("not-hex-secret-material\n")
     with pytest.raises(ValueError) as caught:
-        audit.load_key(str(bad))
+        load_key(str(bad))
     assert "secret" not in str(caught.value)
     fresh = tmp_path / "fresh.key"
-    key = audit.load_key(str(fresh), create=True)
+    key = load_key(str(fresh), create=True)
     assert len(key) == 32 and fresh.stat().st_mode & 0o777 == 0o600
-    assert audit.load_key(str(fresh)) == key
-    assert audit.key_id(key) == hashlib.sha256(key).hexdigest()[:16]
+    assert load_key(str(fresh)) == key
+    assert key_id(key) == hashlib.sha256(key).hexdigest()[:16]

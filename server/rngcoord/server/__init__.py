@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rngcoord.server.app import RunningServer, TLSConfig, serve, start_server
+    from rngcoord.server.audit.verify import VerifyReport, verify
     from rngcoord.server.core.coordinator import Coordinator
     from rngcoord.server.core.seeds import group_seed
     from rngcoord.server.errors import CoordinatorError
     from rngcoord.server.storage.store import Store
     from rngcoord.server.storage.stores import open_store
-    from rngcoord.server.verify import VerifyReport, verify
     from rngcoord.v1.types import GroupInfo, JoinResult, Lease, RestoreResult
 
 # public name -> the module that defines it
@@ -40,12 +40,12 @@ _EXPORTS = {
     "RunningServer": "app",
     "Store": "storage.store",
     "TLSConfig": "app",
-    "VerifyReport": "verify",
+    "VerifyReport": "audit.verify",
     "group_seed": "core.seeds",
     "open_store": "storage.stores",
     "serve": "app",
     "start_server": "app",
-    "verify": "verify",
+    "verify": "audit.verify",
 }
 
 __all__ = [

@@ -42,8 +42,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rngcoord.server import anchors, audit
 from rngcoord.server.addresses import join_host_port, redact_url, split_host_port
+from rngcoord.server.audit import anchors
+from rngcoord.server.audit.chain import Chain, load_key, open_chain
 from rngcoord.server.auth import TokenTable, load_tokens
 from rngcoord.server.core.coordinator import Coordinator
 from rngcoord.server.core.floors import apply_floors, read_floors
@@ -205,7 +206,7 @@ class ServerOptions:
     max_sessions: int = 16384
 
 
-def open_for_serving(options: ServerOptions) -> tuple[Store, audit.Chain]:
+def open_for_serving(options: ServerOptions) -> tuple[Store, Chain]:
     """Open the store and its audit chain as `options` say: create the store only with `init`
     (writing a fresh audit key when its file is missing), record the floors of `floor_from`,
     and key the chain.
@@ -218,7 +219,7 @@ def open_for_serving(options: ServerOptions) -> tuple[Store, audit.Chain]:
     """
     key = None
     if options.audit_key is not None:
-        key = audit.load_key(str(options.audit_key), create=options.init)
+        key = load_key(str(options.audit_key), create=options.init)
     floors: dict[tuple[str, str], int] = {}
     for path in options.floor_from:
         for where, floor in read_floors(path).items():
@@ -232,7 +233,7 @@ def open_for_serving(options: ServerOptions) -> tuple[Store, audit.Chain]:
         now_us = time.time_ns() // 1000
         actor = f"rngcoord serve pid {os.getpid()}"
         try:
-            chain = audit.open_chain(store, key, now_us=now_us, actor=actor, init=options.init)
+            chain = open_chain(store, key, now_us=now_us, actor=actor, init=options.init)
             anchors.check_store(
                 store,
                 chain,

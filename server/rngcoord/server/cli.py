@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from rngcoord.server.audit import KINDS, AuditRecord
+from rngcoord.server.audit.chain import KINDS, AuditRecord
 from rngcoord.server.storage.replication import ReplicationRefused
 from rngcoord.server.storage.store import Store, StoreNotFound, Tx
 
@@ -515,7 +515,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from rngcoord.server.audit import records as audit_records
+    from rngcoord.server.audit.chain import records as audit_records
     from rngcoord.server.storage.queries import audit_head
     from rngcoord.server.storage.stores import open_store
 
@@ -570,7 +570,7 @@ def _follow(
     store: Store, seen: list[int], filters: dict[str, Any], poll_s: float, stop: threading.Event
 ) -> Iterator[AuditRecord]:
     """Records after `seen[0]` passing `filters`, as they are appended, until `stop`."""
-    from rngcoord.server.audit import fetch_page
+    from rngcoord.server.audit.chain import fetch_page
     from rngcoord.server.storage.queries import audit_head
 
     def read(tx: Tx) -> tuple[int, list[AuditRecord]]:
@@ -587,7 +587,7 @@ def _follow(
 
 
 def _report(args: argparse.Namespace) -> int:
-    from rngcoord.server.report import ReportUnavailable, write_report
+    from rngcoord.server.audit.report import ReportUnavailable, write_report
     from rngcoord.server.storage.stores import open_store
 
     store = open_store(args.db)
@@ -607,10 +607,10 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from rngcoord.server.anchors import read_anchors
-    from rngcoord.server.audit import load_key
+    from rngcoord.server.audit.anchors import read_anchors
+    from rngcoord.server.audit.chain import load_key
+    from rngcoord.server.audit.verify import verify
     from rngcoord.server.storage.stores import open_store
-    from rngcoord.server.verify import verify
 
     key = load_key(str(args.audit_key)) if args.audit_key is not None else None
     anchors = []

@@ -469,7 +469,7 @@ def _serve_status(
     caller closes it after the thread), and /metrics adding up the workers' counters."""
     from prometheus_client import CollectorRegistry, multiprocess
 
-    from rngcoord.server.audit import Chain, load_key
+    from rngcoord.server.audit.chain import Chain, load_key
     from rngcoord.server.storage.stores import open_store
     from rngcoord.server.web.status import StatusServer, StoreSource
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rngcoord.server.addresses import peer_host
-from rngcoord.server.audit import Chain
+from rngcoord.server.audit.chain import Chain
 from rngcoord.server.clock import Clock
 from rngcoord.server.core.membership import bad_credential, rank_list
 from rngcoord.server.core.seeds import draw_job_seed

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from rngcoord.server.audit import Chain
+from rngcoord.server.audit.chain import Chain
 from rngcoord.server.clock import Clock
 from rngcoord.server.core.cache import Cache
 from rngcoord.server.storage.store import ReadAhead, Tx

@@ -23,8 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from rngcoord.server import audit
-from rngcoord.server.audit import Chain
+from rngcoord.server.audit.chain import GENESIS_HASH, Chain, Pages
 from rngcoord.server.clock import Clock, SystemClock
 from rngcoord.server.core.attestations import Attestations
 from rngcoord.server.core.barrier import Barriers, JoinRequest
@@ -90,8 +89,8 @@ class Coordinator:
         feed_poll_s: how often the change feed looks for other processes' changes. Default
             None: 0.02 s on SQLite (a lock-free counter), 0.1 s on PostgreSQL (which also
             notifies).
-        chain: how audit records are hashed (keyed or not; see rngcoord.server.audit.open_chain).
-            Default: the store's unkeyed chain.
+        chain: how audit records are hashed (keyed or not; see
+            rngcoord.server.audit.chain.open_chain). Default: the store's unkeyed chain.
         watch_s: how often to check that the store is still the one opened (its file, its
             schema, its id). Default 1.
         write_stall_s: a write batch that has not committed after this long makes the
@@ -121,7 +120,7 @@ class Coordinator:
         self._store = store
         self._write_stall_s = write_stall_s
         self._chain = chain if chain is not None else Chain(store.store_id)
-        self._head = (0, audit.GENESIS_HASH)
+        self._head = (0, GENESIS_HASH)
         self._anchor = ""
         self._join_timeout_s = join_timeout_s
         self._max_join_timeout_s = max_join_timeout_s
@@ -649,12 +648,12 @@ class Coordinator:
         its position, and the next page is read only when it asks for the next record.
 
         Validation happens at the call; the store is read as the iterator advances. The
-        filters are those of `audit.fetch_page`; `limit` 0 means every record.
+        filters are those of `fetch_page`; `limit` 0 means every record.
 
         Raises:
             InvalidArgument: a malformed name, an unknown kind or a negative limit.
         """
-        pages = audit.Pages.checked(
+        pages = Pages.checked(
             job=job,
             group=group,
             kinds=kinds,
@@ -665,7 +664,7 @@ class Coordinator:
         )
         return self._audit_pages(pages)
 
-    async def _audit_pages(self, pages: audit.Pages) -> AsyncIterator[AuditRecord]:
+    async def _audit_pages(self, pages: Pages) -> AsyncIterator[AuditRecord]:
         loop = asyncio.get_running_loop()
         while (query := pages.next_query()) is not None:
             page = await loop.run_in_executor(self._readers, self._store.read, query)

@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from rngcoord.server.audit import Chain
+from rngcoord.server.audit.chain import Chain
 from rngcoord.server.core.membership import rank_list
 from rngcoord.server.errors import Divergence
 from rngcoord.server.storage import queries

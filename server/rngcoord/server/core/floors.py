@@ -23,7 +23,7 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-from rngcoord.server.audit import Chain
+from rngcoord.server.audit.chain import Chain
 from rngcoord.server.storage import queries
 from rngcoord.server.storage.store import Store, Tx
 from rngcoord.v1.rules import MAX_OFFSET, RuleViolation, check_name

@@ -79,7 +79,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from rngcoord.server.addresses import join_host_port
-from rngcoord.server.audit import Chain, fetch_page
+from rngcoord.server.audit.chain import Chain, fetch_page
 from rngcoord.server.auth import Identity, TokenTable
 from rngcoord.server.logs import event, get_logger
 from rngcoord.server.storage.queries import audit_head

@@ -35,8 +35,15 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rngcoord.server import audit
-from rngcoord.server.anchors import rewound_range
+from rngcoord.server.audit.anchors import rewound_range
+from rngcoord.server.audit.chain import (
+    GENESIS_HASH,
+    Chain,
+    fetch_page,
+    key_id,
+    keying_problem,
+    read_meta,
+)
 from rngcoord.server.storage.store import Store, Tx, from_db
 from rngcoord.v1.seeds import group_seed
 from rngcoord.v1.types import AuditRecord, members_digest
@@ -119,7 +126,7 @@ class _Snapshot:
 
 def _snapshot(tx: Tx) -> _Snapshot:
     head = tx.fetchone("SELECT last_id, last_hash FROM audit_head WHERE id = 1")
-    last_id, last_hash = (0, audit.GENESIS_HASH) if head is None else (int(head[0]), head[1])
+    last_id, last_hash = (0, GENESIS_HASH) if head is None else (int(head[0]), head[1])
     digests: dict[tuple[str, str, int], bytes] = {}
     current: tuple[str, str, int] | None = None
     ranks: list[tuple[int, str]] = []
@@ -139,7 +146,7 @@ def _snapshot(tx: Tx) -> _Snapshot:
     return _Snapshot(
         last_id=last_id,
         last_hash=last_hash,
-        meta=audit.read_meta(tx),
+        meta=read_meta(tx),
         jobs={job: from_db(seed) for job, seed in tx.fetchall("SELECT job, seed FROM jobs")},
         groups={
             (job, grp): (from_db(seed), from_db(high))
@@ -211,28 +218,28 @@ def verify(
     keyed_from = (
         int(snap.meta.get("keyed_from", "0")) if snap.meta.get("keyed_from", "0").isdigit() else -1
     )
-    key_id = snap.meta.get("audit_key_id", "")
+    store_key = snap.meta.get("audit_key_id", "")
     store_id = snap.meta.get("store_id", "")
-    if key is not None and key_id and audit.key_id(key) != key_id:
+    if key is not None and store_key and key_id(key) != store_key:
         problems.append(
-            f"the key given (key id {audit.key_id(key)}) is not the store's (key id {key_id})"
+            f"the key given (key id {key_id(key)}) is not the store's (key id {store_key})"
         )
         key = None
-    if key is not None and not key_id:
+    if key is not None and not store_key:
         problems.append(
             "an audit key was given, but the chain is not keyed (meta names no key): its "
             "keying was stripped and its records rehashed without the key, or it was never "
             "keyed"
         )
         key = None
-    if key_id and key is None:
+    if store_key and key is None:
         notes.append(
-            f"records from {keyed_from} on are MACed under key id {key_id}: their MACs and the "
+            f"records from {keyed_from} on are MACed under key id {store_key}: their MACs and the "
             "anchors' signatures were not checked (pass --audit-key)"
         )
-    chain = audit.Chain(store_id, key, keyed_from if key is not None else 0)
+    chain = Chain(store_id, key, keyed_from if key is not None else 0)
     if key is not None:
-        keying = store.read(lambda tx: audit.keying_problem(tx, chain))
+        keying = store.read(lambda tx: keying_problem(tx, chain))
         if keying is not None:
             problems.append(keying)
 
@@ -244,11 +251,9 @@ def verify(
     hashes: dict[int, str] = {}
     anchor_list = list(anchors)
     wanted = {int(a["id"]) for a in anchor_list if isinstance(a.get("id"), int)}
-    expected_id, prev_hash, checked = 1, audit.GENESIS_HASH, 0
+    expected_id, prev_hash, checked = 1, GENESIS_HASH, 0
     while expected_id <= snap.last_id:
-        page = store.read(
-            functools.partial(audit.fetch_page, after_id=expected_id - 1, limit=_PAGE)
-        )
+        page = store.read(functools.partial(fetch_page, after_id=expected_id - 1, limit=_PAGE))
         page = [r for r in page if r.id <= snap.last_id]
         if not page:
             break
@@ -260,7 +265,7 @@ def verify(
                     f"record {rec.id}: prev_hash {rec.prev_hash[:16]}... does not match the "
                     f"hash {prev_hash[:16]}... of the record before it"
                 )
-            unchecked = key_id and key is None and rec.id >= keyed_from
+            unchecked = store_key and key is None and rec.id >= keyed_from
             if not unchecked and chain.record_hash(rec) != rec.hash:
                 what = "MAC" if key is not None and rec.id >= keyed_from else "hash"
                 problems.append(f"record {rec.id}: its {what} does not match its contents")
@@ -443,7 +448,7 @@ class _Derived:
 
 def _check_anchors(
     anchors: list[Mapping[str, Any]],
-    chain: audit.Chain,
+    chain: Chain,
     store_id: str,
     last_id: int,
     hashes: dict[int, str],

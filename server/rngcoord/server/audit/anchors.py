@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rngcoord.server import audit
+from rngcoord.server.audit.chain import Chain
 from rngcoord.server.storage.store import Store, StoreRolledBack, Tx
 
 __all__ = [
@@ -123,7 +123,7 @@ def last_anchored_id(anchors: Sequence[dict[str, Any]], store_id: str) -> int:
 
 def check_store(
     store: Store,
-    chain: audit.Chain,
+    chain: Chain,
     anchors: Sequence[dict[str, Any]],
     *,
     init: bool,
@@ -211,7 +211,7 @@ _IDS_PER_QUERY = 500
 """Anchored record ids looked up per query (SQLite allows 32,766 parameters a statement)."""
 
 
-def _check_signature(anchor: dict[str, Any], chain: audit.Chain, location: str) -> None:
+def _check_signature(anchor: dict[str, Any], chain: Chain, location: str) -> None:
     """Refuse an anchor signed for an unkeyed chain (its keying stripped), or one of a keyed
     chain whose signature is not this chain's key's."""
     record_id, record_hash = int(anchor["id"]), str(anchor["hash"])
