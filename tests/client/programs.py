@@ -437,6 +437,12 @@ def layout_values(ctx: Ctx) -> dict[str, Any]:
     ).clone()
     out["stage"] = stage
     out["groups"] = sorted(tracker.leases)
+    # The attestation thread sends and counts it after the op that crossed 1,024 ops: wait
+    # for it (bounded) instead of racing it, which a loaded machine lost once.
+    (stage_group,) = [m for name, m in tracker.leases.items() if name.startswith("tp:2[")]
+    deadline = time.monotonic() + 60
+    while stage_group.stats.attestations < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     out["attestations"] = {k: m.stats.attestations for k, m in tracker.leases.items()}
     tracker.close()
     return out
