@@ -12,7 +12,7 @@ from test_status import browser_missing, chromium
 
 from harness import CoordinatorProcess, join_all, run_cli, secret_for
 from rngcoord.server.audit.chain import Chain
-from rngcoord.server.audit.report import MAX_BARS
+from rngcoord.server.report import MAX_BARS
 from rngcoord.server.storage import queries
 from rngcoord.server.storage.sqlite import SqliteStore
 from rngcoord.server.storage.store import Tx

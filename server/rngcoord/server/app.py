@@ -141,7 +141,7 @@ class ServerOptions:
             offsets new groups must start above (recovery after losing a store). Default ().
         require_sync_replication: refuse a PostgreSQL primary that does not replicate
             synchronously, at start and on every reconnect of the store's writer
-            (`--require-sync-replication`; rngcoord.server.storage.replication). Default False: the
+            (`--require-sync-replication`; rngcoord.server.replication). Default False: the
             mode is logged, as a warning when acknowledged grants would not survive a
             failover.
         max_connections: most client connections this process holds. Default None: the

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rngcoord.server.audit.chain import KINDS, AuditRecord
-from rngcoord.server.storage.replication import ReplicationRefused
+from rngcoord.server.replication import ReplicationRefused
 from rngcoord.server.storage.store import Store, StoreNotFound, Tx
 
 DEFAULT_LISTEN = "0.0.0.0:29520"
@@ -587,7 +587,7 @@ def _follow(
 
 
 def _report(args: argparse.Namespace) -> int:
-    from rngcoord.server.audit.report import ReportUnavailable, write_report
+    from rngcoord.server.report import ReportUnavailable, write_report
     from rngcoord.server.storage.stores import open_store
 
     store = open_store(args.db)

@@ -30,7 +30,7 @@ from prometheus_client import (
     Histogram,
 )
 
-from rngcoord.server.storage.replication import Replication
+from rngcoord.server.replication import Replication
 
 # Coordinator RPCs take well under a millisecond on a hit and one group-commit fsync on a grant;
 # the buckets resolve both, and joins that wait for a barrier land in the top ones.

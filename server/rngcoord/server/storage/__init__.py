@@ -2,12 +2,13 @@
 
 - `store`: the `Store` protocol every backend implements, its errors, the known-head check and
   the migrations runner;
-- `sqlite`, `postgres`: the two backends, with `groupcommit` (the batched writer they share)
-  and `replication` (what PostgreSQL's replication mode promises);
+- `sqlite`, `postgres`: the two backends, with `groupcommit` (the batched writer they
+  share); what a replication mode promises is the base's (rngcoord.server.replication), since
+  the metrics and the status page show it too;
 - `queries`: every SQL statement, in the portable dialect both backends run;
 - `stores`: `open_store(url)`, the one way to open a store;
 - `migrations/`: each backend's schema, as numbered SQL files.
 
-It may import the package root's base modules (errors, clock, logs, addresses, metrics) and
-rngcoord.v1; nothing above it (the rules, the audit, rpc, web, the process).
+It may import the base modules at the package root and rngcoord.v1; nothing above it (the
+audit, the rules, rpc, web, the process): pyproject.toml's layers contract checks it.
 """

@@ -53,9 +53,9 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from rngcoord.server.errors import Unavailable
 from rngcoord.server.logs import event
+from rngcoord.server.replication import SQL as REPLICATION_SQL
+from rngcoord.server.replication import Replication, ReplicationRefused
 from rngcoord.server.storage.groupcommit import GroupCommitWriter
-from rngcoord.server.storage.replication import SQL as REPLICATION_SQL
-from rngcoord.server.storage.replication import Replication, ReplicationRefused
 from rngcoord.server.storage.store import (
     KnownHead,
     ReadAhead,

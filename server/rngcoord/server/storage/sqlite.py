@@ -34,7 +34,7 @@ from rngcoord.server.storage.store import (
 )
 
 if TYPE_CHECKING:
-    from rngcoord.server.storage.replication import Replication
+    from rngcoord.server.replication import Replication
 
 __all__ = ["SqliteStore", "SqliteTx"]
 

@@ -23,7 +23,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
-    from rngcoord.server.storage.replication import Replication
+    from rngcoord.server.replication import Replication
 
 __all__ = [
     "BIAS",

@@ -22,7 +22,7 @@ def open_store(url: str, *, create: bool = False, require_sync_replication: bool
             a missing or empty store raises `StoreNotFound`, so that nothing silently starts
             over at offset 0.
         require_sync_replication: refuse a PostgreSQL primary that does not replicate
-            synchronously (rngcoord.server.storage.replication); an SQLite store has no replicas, so
+            synchronously (rngcoord.server.replication); an SQLite store has no replicas, so
             it is refused too. Default False: the mode is only logged.
 
     Raises:

@@ -1,5 +1,5 @@
 """Read-only views of a store for people: the status page (rngcoord.server.web.status) and the
-report (rngcoord.server.audit.report).
+report (rngcoord.server.report).
 
 Every function here takes an open transaction and only reads. The status page refreshes each
 second, so its queries are bounded whatever the store holds: the group list is one query (each
