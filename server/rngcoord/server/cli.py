@@ -17,15 +17,25 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
+from rngcoord.server.argtypes import (
+    env_flag,
+    env_float,
+    env_int,
+    env_path,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    time_us,
+)
 from rngcoord.server.audit.chain import KINDS, AuditRecord
+from rngcoord.server.audit.table import audit_json, print_table
 from rngcoord.server.replication import ReplicationRefused
 from rngcoord.server.storage.store import Store, StoreNotFound, Tx
 
@@ -33,11 +43,6 @@ DEFAULT_LISTEN = "0.0.0.0:29520"
 DEFAULT_DB = "sqlite:///rngcoord.db"
 DEFAULT_METRICS = "0.0.0.0:9464"
 # The table sizes its columns from the first rows, then streams the rest at those widths.
-_TABLE_SAMPLE = 1000
-_MAX_COLUMN = 40
-_MIN_DETAIL = 24
-_COLUMNS = 5
-_INDENT = 4
 """Columns before DETAIL: ID, TIME, JOB, GROUP, KIND."""
 _FOLLOW_PAGE = 500
 
@@ -98,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--status-open",
         action="store_true",
-        default=_env_flag(env, "RNGCOORD_STATUS_OPEN"),
+        default=env_flag(env, "RNGCOORD_STATUS_OPEN"),
         help="serve the status page and /api without a token even with --tokens (default: "
         "they need an auditor or admin token; without a token file they are open, logged as a "
         "warning) (env RNGCOORD_STATUS_OPEN=1)",
@@ -106,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--init",
         action="store_true",
-        default=_env_flag(env, "RNGCOORD_INIT"),
+        default=env_flag(env, "RNGCOORD_INIT"),
         help="create the store (and the --audit-key file) when there is none; without it, a "
         "missing store is an error, so that no stream silently starts over at offset 0 "
         "(env RNGCOORD_INIT=1)",
@@ -114,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--require-sync-replication",
         action="store_true",
-        default=_env_flag(env, "RNGCOORD_REQUIRE_SYNC_REPLICATION"),
+        default=env_flag(env, "RNGCOORD_REQUIRE_SYNC_REPLICATION"),
         help="refuse a PostgreSQL primary that does not replicate synchronously "
         "(synchronous_standby_names empty), at start and after every reconnect: with "
         "asynchronous replication a promoted standby may lack acknowledged grants and grant "
@@ -124,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--audit-key",
         type=Path,
-        default=_env_path(env, "RNGCOORD_AUDIT_KEY"),
+        default=env_path(env, "RNGCOORD_AUDIT_KEY"),
         metavar="FILE",
         help="HMAC key of the audit chain (64 hex digits; --init writes a fresh one); keep it "
         "away from the database (env RNGCOORD_AUDIT_KEY; default: unkeyed, logged as a warning)",
@@ -132,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--anchor-file",
         type=Path,
-        default=_env_path(env, "RNGCOORD_ANCHOR_FILE"),
+        default=env_path(env, "RNGCOORD_ANCHOR_FILE"),
         metavar="FILE",
         help="append the signed head of the audit chain here (and to the log) each second it "
         "moved, for `verify --anchor`; read at start: a store whose chain lacks the newest "
@@ -161,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--tokens",
         type=Path,
-        default=_env_path(env, "RNGCOORD_TOKENS"),
+        default=env_path(env, "RNGCOORD_TOKENS"),
         metavar="FILE",
         help="token file, lines `NAME ROLE JOBS TOKEN` (roles member, auditor, admin; JOBS: "
         "comma-separated patterns) or the older `JOB TOKEN`; reloaded on SIGHUP "
@@ -170,21 +175,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--tls-cert",
         type=Path,
-        default=_env_path(env, "RNGCOORD_TLS_CERT"),
+        default=env_path(env, "RNGCOORD_TLS_CERT"),
         metavar="PEM",
         help="server certificate chain; turns TLS on (env RNGCOORD_TLS_CERT; default off)",
     )
     serve.add_argument(
         "--tls-key",
         type=Path,
-        default=_env_path(env, "RNGCOORD_TLS_KEY"),
+        default=env_path(env, "RNGCOORD_TLS_KEY"),
         metavar="PEM",
         help="server private key (env RNGCOORD_TLS_KEY)",
     )
     serve.add_argument(
         "--tls-client-ca",
         type=Path,
-        default=_env_path(env, "RNGCOORD_TLS_CLIENT_CA"),
+        default=env_path(env, "RNGCOORD_TLS_CLIENT_CA"),
         metavar="PEM",
         help="CA bundle for client certificates; turns mTLS on (env RNGCOORD_TLS_CLIENT_CA; "
         "default off)",
@@ -197,29 +202,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--join-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=60.0,
         metavar="SECONDS",
         help="JoinGroup wait when the request sets no timeout (default 60)",
     )
     serve.add_argument(
         "--max-join-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=1800.0,
         metavar="SECONDS",
         help="the longest any JoinGroup waits, whatever it asks (default 1800)",
     )
     serve.add_argument(
         "--workers",
-        type=_positive_int,
-        default=_env_int(env, "RNGCOORD_WORKERS", os.cpu_count() or 1),
+        type=positive_int,
+        default=env_int(env, "RNGCOORD_WORKERS", os.cpu_count() or 1),
         metavar="N",
         help="server processes sharing the port, one core each (env RNGCOORD_WORKERS; "
         "default: the number of cores)",
     )
     serve.add_argument(
         "--cache-staleness",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=0.5,
         metavar="SECONDS",
         help="a hit is answered from memory only while this process has seen every change "
@@ -228,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-connections",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="most client connections per server process (default: the open-file limit, "
@@ -236,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-connections-per-host",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="most client connections of one peer host per server process; the newest past it "
@@ -245,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--crowded-idle-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=10.0,
         metavar="SECONDS",
         help="while a process holds more than half of --max-connections, close connections "
@@ -253,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-audit-streams-per-host",
-        type=_positive_int,
+        type=positive_int,
         default=16,
         metavar="N",
         help="most ListAudit streams one peer host may hold open; more are refused "
@@ -261,14 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-audit-streams",
-        type=_positive_int,
+        type=positive_int,
         default=256,
         metavar="N",
         help="most ListAudit streams per server process (default 256)",
     )
     serve.add_argument(
         "--max-sessions-per-host",
-        type=_positive_int,
+        type=positive_int,
         default=128,
         metavar="N",
         help="most Session streams one peer host may hold open (a client process holds one "
@@ -277,50 +282,50 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-sessions",
-        type=_positive_int,
+        type=positive_int,
         default=16384,
         metavar="N",
         help="most Session streams per server process (default 16384)",
     )
     serve.add_argument(
         "--audit-stall-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=60.0,
         metavar="SECONDS",
         help="end a ListAudit stream whose client takes no record for this long (default 60)",
     )
     serve.add_argument(
         "--handshake-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=10.0,
         metavar="SECONDS",
         help="close a connection that has not started HTTP/2 within this long (default 10)",
     )
     serve.add_argument(
         "--idle-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=600.0,
         metavar="SECONDS",
         help="close a connection without calls for this long; clients reconnect (default 600)",
     )
     serve.add_argument(
         "--peer-rate",
-        type=_non_negative_float,
-        default=_env_float(env, "RNGCOORD_PEER_RATE", 5000.0),
+        type=non_negative_float,
+        default=env_float(env, "RNGCOORD_PEER_RATE", 5000.0),
         metavar="CALLS_PER_S",
         help="calls per second each peer host may sustain; 0 for no limit "
         "(env RNGCOORD_PEER_RATE; default 5000)",
     )
     serve.add_argument(
         "--peer-burst",
-        type=_positive_float,
+        type=positive_float,
         default=20000.0,
         metavar="CALLS",
         help="calls a peer host may make at once (default 20000)",
     )
     serve.add_argument(
         "--grace",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=10.0,
         metavar="SECONDS",
         help="how long in-flight RPCs may finish after SIGTERM (default 10)",
@@ -350,14 +355,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"only this kind ({', '.join(KINDS)}); repeat for several (default: all)",
     )
     audit.add_argument(
-        "--since", type=_time_us, default=0, metavar="TIME", help="records at or after TIME"
+        "--since", type=time_us, default=0, metavar="TIME", help="records at or after TIME"
     )
     audit.add_argument(
-        "--until", type=_time_us, default=0, metavar="TIME", help="records before TIME"
+        "--until", type=time_us, default=0, metavar="TIME", help="records before TIME"
     )
     audit.add_argument(
         "--limit",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=0,
         metavar="N",
         help="at most N records (default 0: all)",
@@ -372,14 +377,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     audit.add_argument(
         "--poll",
-        type=_positive_float,
+        type=positive_float,
         default=0.5,
         metavar="SECONDS",
         help="how often --follow reads the store (default 0.5)",
     )
     audit.add_argument(
         "--width",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=None,
         metavar="COLUMNS",
         help="fit the table to this many columns, wrapping long cells, never cutting them; 0 "
@@ -398,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--audit-key",
         type=Path,
-        default=_env_path(env, "RNGCOORD_AUDIT_KEY"),
+        default=env_path(env, "RNGCOORD_AUDIT_KEY"),
         metavar="FILE",
         help="the server's audit key: check the chain's MACs and the anchors' signatures "
         "(env RNGCOORD_AUDIT_KEY; default: hashes only, and a note says so)",
@@ -670,133 +675,6 @@ def _client_command(name: str, args: Sequence[str]) -> int:
     return subprocess.run(cmd, check=False).returncode
 
 
-def audit_json(rec: AuditRecord) -> dict[str, object]:
-    """One audit record as a JSON-ready dict; `detail` stays an object, `time` is added."""
-    return {
-        "id": rec.id,
-        "ts_us": rec.ts_us,
-        "time": _format_time(rec.ts_us),
-        "job": rec.job,
-        "group": rec.group,
-        "kind": rec.kind,
-        "actor": rec.actor,
-        "detail": rec.detail,
-        "prev_hash": rec.prev_hash,
-        "hash": rec.hash,
-    }
-
-
-def print_table(
-    records: Iterable[AuditRecord],
-    out: TextIO,
-    *,
-    width: int = 0,
-    then: Iterable[AuditRecord] | None = None,
-) -> None:
-    """Print records as an aligned table: ID, TIME, JOB, GROUP, KIND, then DETAIL followed by
-    "by ACTOR".
-
-    Column widths come from the first rows of `records` (capped). Nothing is ever cut: a cell
-    longer than its column, and the DETAIL column, wrap onto the record's next lines; the
-    actor (who did it, identity first) starts a line of its own when the record wraps, and a
-    word longer than the line is printed whole. When the width leaves DETAIL too little room
-    beside the other columns, DETAIL and the actor go on indented lines under the record.
-
-    Args:
-        records: the records to print.
-        out: where to print.
-        width: the line width to fit; 0 for none (one line per record). Default 0.
-        then: records to print after `records`, as they come (`--follow`), at the same
-            widths. Default None: "no audit records match" when `records` is empty.
-    """
-    it = iter(records)
-    sample: list[tuple[str, ...]] = []
-    for rec in it:
-        sample.append(_row(rec))
-        if len(sample) == _TABLE_SAMPLE:
-            break
-    if not sample and then is None:
-        print("no audit records match", file=out)
-        return
-    header: tuple[str, ...] = ("ID", "TIME (UTC)", "JOB", "GROUP", "KIND", "DETAIL, by ACTOR", "")
-    widths = [max(len(r[i]) for r in [header, *sample]) for i in range(_COLUMNS)]
-    # Names wrap inside their columns rather than leave DETAIL no room.
-    cap = _MAX_COLUMN if not width else max(8, min(_MAX_COLUMN, width // 6))
-    widths[2:] = [min(cap, w) for w in widths[2:]]
-    prefix = sum(w + 2 for w in widths)
-    # Too narrow for a DETAIL column beside the others: DETAIL goes under them, indented.
-    below = bool(width) and width - prefix < _MIN_DETAIL
-    detail = 0 if not width else (width - _INDENT if below else width - prefix)
-    if below:
-        header = (*header[:_COLUMNS], "", "")
-    print(_format_row(header, widths, detail, below), file=out, flush=True)
-    for row in sample:
-        print(_format_row(row, widths, detail, below), file=out)
-    for rec in it:
-        print(_format_row(_row(rec), widths, detail, below), file=out)
-    if then is not None:
-        out.flush()
-        for rec in then:
-            print(_format_row(_row(rec), widths, detail, below), file=out, flush=True)
-
-
-def _row(rec: AuditRecord) -> tuple[str, ...]:
-    detail = " ".join(
-        f"{k}={v if isinstance(v, str | int) else json.dumps(v, separators=(',', ':'))}"
-        for k, v in sorted(rec.detail.items())
-    )
-    when = datetime.fromtimestamp(rec.ts_us / 1e6, UTC)
-    return (
-        str(rec.id),
-        when.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3],
-        rec.job,
-        rec.group,
-        rec.kind,
-        detail,
-        f"by {rec.actor}" if rec.actor else "",
-    )
-
-
-def _format_row(row: tuple[str, ...], widths: list[int], detail: int, below: bool) -> str:
-    """A record's lines: its cells side by side, each wrapped to its column; then DETAIL and
-    "by ACTOR" in a last column (or, `below`, on lines of their own under the record),
-    wrapped to `detail` characters (0: not wrapped)."""
-    cells = [_wrap(row[i], w, split_words=True) for i, w in enumerate(widths)]
-    parts = [part for part in row[-2:] if part]
-    if detail:
-        last = [line for part in parts for line in _wrap(part, detail)]
-    else:
-        last = ["  ".join(parts)]
-    if not below:
-        cells.append(last or [""])
-    lines = []
-    for n in range(max(len(c) for c in cells)):
-        texts = []
-        for i, cell in enumerate(cells):
-            text = cell[n] if n < len(cell) else ""
-            if i < len(widths):
-                text = text.rjust(widths[i]) if i == 0 else text.ljust(widths[i])
-            texts.append(text)
-        lines.append("  ".join(texts).rstrip())
-    if below:
-        lines += [" " * _INDENT + line for line in last]
-    return "\n".join(lines)
-
-
-def _wrap(text: str, width: int, *, split_words: bool = False) -> list[str]:
-    """`text` in lines of at most `width` characters, whole: words longer than `width` are
-    split only with `split_words` (names), else kept whole on a line of their own."""
-    if len(text) <= width or not text:
-        return [text]
-    return textwrap.wrap(text, width, break_long_words=split_words, break_on_hyphens=False) or [
-        text
-    ]
-
-
-def _format_time(ts_us: int) -> str:
-    return datetime.fromtimestamp(ts_us / 1e6, UTC).isoformat(timespec="milliseconds")
-
-
 def _add_db(parser: argparse.ArgumentParser, env: os._Environ[str]) -> None:
     parser.add_argument(
         "--db",
@@ -805,70 +683,6 @@ def _add_db(parser: argparse.ArgumentParser, env: os._Environ[str]) -> None:
         help=f"store URL, sqlite:///PATH or postgresql://USER@HOST/DB (env RNGCOORD_DB; "
         f"default {DEFAULT_DB})",
     )
-
-
-def _env_path(env: os._Environ[str], name: str) -> Path | None:
-    value = env.get(name)
-    return Path(value) if value else None
-
-
-def _time_us(text: str) -> int:
-    """Parse ISO 8601 (UTC unless it carries an offset) or Unix seconds into microseconds."""
-    try:
-        return round(float(text) * 1_000_000)
-    except ValueError:
-        pass
-    try:
-        when = datetime.fromisoformat(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is neither ISO 8601 (2024-05-01T12:00:00) nor Unix seconds"
-        ) from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return round(when.timestamp() * 1_000_000)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _env_int(env: os._Environ[str], name: str, default: int) -> int:
-    value = env.get(name)
-    return int(value) if value else default
-
-
-def _env_float(env: os._Environ[str], name: str, default: float) -> float:
-    value = env.get(name)
-    return float(value) if value else default
-
-
-def _env_flag(env: os._Environ[str], name: str) -> bool:
-    return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
 
 
 if __name__ == "__main__":
