@@ -20,11 +20,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rngcoord.server.app import RunningServer, TLSConfig, serve, start_server
+    from rngcoord.server.app import RunningServer, serve, start_server
     from rngcoord.server.audit.verify import VerifyReport, verify
     from rngcoord.server.core.coordinator import Coordinator
     from rngcoord.server.core.seeds import group_seed
     from rngcoord.server.errors import CoordinatorError
+    from rngcoord.server.options import TLSConfig
     from rngcoord.server.storage.store import Store
     from rngcoord.server.storage.stores import open_store
     from rngcoord.v1.types import GroupInfo, JoinResult, Lease, RestoreResult
@@ -39,7 +40,7 @@ _EXPORTS = {
     "RestoreResult": "rngcoord.v1.types",
     "RunningServer": "app",
     "Store": "storage.store",
-    "TLSConfig": "app",
+    "TLSConfig": "options",
     "VerifyReport": "audit.verify",
     "group_seed": "core.seeds",
     "open_store": "storage.stores",

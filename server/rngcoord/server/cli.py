@@ -462,7 +462,8 @@ def _serve(args: argparse.Namespace) -> int:
     # gRPC core logs to stderr in its own format, read once when grpc is first imported.
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     # Imported here so that `audit` and `verify` do not pay for the gRPC server's imports.
-    from rngcoord.server.app import ServerOptions, TLSConfig, serve
+    from rngcoord.server.app import serve
+    from rngcoord.server.options import ServerOptions, TLSConfig
 
     tls: TLSConfig | None = None
     if args.tls_cert is not None or args.tls_key is not None:

@@ -52,15 +52,10 @@ from types import FrameType
 from typing import Any
 
 from rngcoord.server.addresses import join_host_port, split_host_port
-from rngcoord.server.app import (
-    ServerOptions,
-    open_for_serving,
-    run_server,
-    with_port,
-    write_atomically,
-)
+from rngcoord.server.app import open_for_serving, run_server, write_atomically
 from rngcoord.server.auth import TokenTable, load_tokens
 from rngcoord.server.logs import configure, event, get_logger
+from rngcoord.server.options import ServerOptions, with_port
 from rngcoord.server.storage.store import Store
 from rngcoord.server.web.status import StatusThread
 

@@ -157,7 +157,7 @@ class Source(Protocol):
 
 
 class TLSFiles(Protocol):
-    """The server's certificate chain and key (`rngcoord.server.app.TLSConfig` is one)."""
+    """The server's certificate chain and key (`rngcoord.server.options.TLSConfig` is one)."""
 
     @property
     def cert(self) -> Path: ...
