@@ -5,16 +5,30 @@ refused whole, and a join that fails withdraws the others from their barriers.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from harness import CoordinatorProcess, secret_for
+from harness import (
+    TEST_JOB,
+    CoordinatorProcess,
+    CountingStore,
+    InProcess,
+    LoopThread,
+    ManualClock,
+    form,
+    join,
+    secret_for,
+)
 from rngcoord.client.connection import CoordinatorClient
 from rngcoord.client.errors import InvalidRequest
+from rngcoord.server.storage.sqlite import SqliteStore
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.status import error_info
 from rngcoord.v1.types import JoinResult
@@ -110,3 +124,55 @@ def test_a_join_that_fails_withdraws_the_others(coordinator: CoordinatorProcess)
     info = error_info(caught.value)
     assert info is not None and info.reason == "JOIN_TIMEOUT"
     assert "[0]" in (caught.value.details() or "")
+
+
+def test_a_late_notice_of_an_older_epoch_fails_no_waiter(tmp_path: Path) -> None:
+    """The change feed's notice of epoch 1 comes after epoch 2 formed with a waiting rank in
+    it, but before that batch's answer reached the loop (answers are held back here, as a
+    loaded machine does): the rank is not told that epoch 1 formed without it."""
+
+    class SlowAnswers(CountingStore):
+        def submit(self, fn: Any, ahead: Any = None) -> Future[Any]:
+            inner, out = super().submit(fn, ahead), Future[Any]()
+
+            def later(done: Future[Any]) -> None:
+                threading.Timer(0.3, lambda: _copy(done, out)).start()
+
+            inner.add_done_callback(later)
+            return out
+
+    loop = LoopThread()
+    store = SlowAnswers(SqliteStore(tmp_path / "late.db", create=True))
+    h = InProcess(loop, store, ManualClock())
+    try:
+        form(h, members=("a0", "a1"))
+
+        def epochs() -> int:
+            row = store.read(lambda tx: tx.fetchone("SELECT max(epoch) FROM epochs"))
+            assert row is not None
+            return int(row[0])
+
+        async def scenario() -> list[Any]:
+            b0 = asyncio.ensure_future(join(h, 0, 2, "b0"))
+            await asyncio.sleep(1.0)  # b0's batch written and answered: it waits, flushed
+            b1 = asyncio.ensure_future(join(h, 1, 2, "b1"))
+            while epochs() < 2:  # noqa: ASYNC110 (the database has no event to wait on)
+                await asyncio.sleep(0.001)
+            # Epoch 2 is committed; its batch's answer is still held back.
+            await h.coord._barriers.epoch_formed(TEST_JOB, "g", 1)
+            return list(await asyncio.gather(b0, b1, return_exceptions=True))
+
+        results = h.run(scenario())
+        assert [getattr(r, "epoch", r) for r in results] == [2, 2]
+    finally:
+        h.close()
+        store.close()
+        loop.close()
+
+
+def _copy(source: Future[Any], target: Future[Any]) -> None:
+    exc = source.exception()
+    if exc is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())
