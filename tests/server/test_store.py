@@ -13,7 +13,14 @@ import pytest
 from rngcoord.server.errors import Divergence, InvalidArgument, Unavailable
 from rngcoord.server.storage.groupcommit import GroupCommitWriter
 from rngcoord.server.storage.sqlite import SqliteStore, SqliteTx
-from rngcoord.server.storage.store import Tx, from_db, split_sql, to_db
+from rngcoord.server.storage.store import (
+    KnownHead,
+    StoreRewound,
+    Tx,
+    from_db,
+    split_sql,
+    to_db,
+)
 from rngcoord.server.storage.stores import open_store
 
 
@@ -287,3 +294,17 @@ def test_the_writer_commits_to_stable_storage(store_url: str) -> None:
             assert store.write(lambda tx: tx.fetchone("SHOW synchronous_commit")) == ("on",)
     finally:
         store.close()
+
+
+def test_a_rewound_store_names_the_chain_end_it_went_back_below() -> None:
+    """The chain end a `StoreRewound` carries bounds what was lost: records after it are gone
+    (or other ones), whether the chain is now shorter or was written on past the lost head."""
+    known = KnownHead("test-store")
+    known.saw(8, "h8")
+    with pytest.raises(StoreRewound) as shorter:
+        known.check(5, None, known.head)
+    assert (shorter.value.known, shorter.value.chain_end) == ((8, "h8"), 5)
+    with pytest.raises(StoreRewound) as rewritten:
+        known.check(12, "another", known.head)  # written on past 8 by another process
+    assert rewritten.value.chain_end == 7  # record 8 itself is lost
+    known.check(12, "h8", known.head)  # holds the known head: not rewound

@@ -160,8 +160,6 @@ class Coordinator:
         self._feed_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._lost: str | None = None
-        # Taking a store that went back in time as it is now (§11.6); None when not at it.
-        self._rewind_task: asyncio.Task[None] | None = None
         # The lost heads already taken care of: a check that read the known head before the
         # recovery reset it may report the same loss once more, after it.
         self._rewound: set[tuple[int, str]] = set()
@@ -277,14 +275,18 @@ class Coordinator:
             self._lost = str(exc)
             event(_log, logging.ERROR, "store_lost", reason=str(exc), store_id=self._store.store_id)
             if isinstance(exc, StoreRewound):
-                self._rewind_task = asyncio.get_running_loop().create_task(self._serve_rewound(exc))
+                task = asyncio.get_running_loop().create_task(self._serve_rewound(exc))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
     async def _serve_rewound(self, exc: StoreRewound) -> None:
         """Take a store that went back in time as it now is, and serve it again (§11.6).
 
         Every call is refused meanwhile. What this process believed about the lost records
-        goes (its memory of grants, members and groups; its feed's position; the newest head
-        it knew), and a `rewind` record names the lost head and where the chain ended. Then
+        goes (its memory of grants, members and groups; the newest head it knew), its feed
+        reads on from where the chain ended when the loss was found (so that what other
+        processes wrote since is not skipped), and a `rewind` record names the lost head and
+        that chain end. Then
         the store is served from there: a lease asked again within its epoch is granted anew
         from its predecessor, as it was before, and an epoch formed from now on starts past
         what its members report (JoinGroupRequest.position). Tried again every second while
@@ -294,10 +296,14 @@ class Coordinator:
             try:
                 head: tuple[int, str] = await self._read(queries.audit_head)
                 self._store.went_back_to(*head)
-                self._feed.restart_at(head)
+                self._feed.restart_at(exc.chain_end)
                 self._head, self._anchor = head, ""
                 self._cache.clear()
-                detail = {"lost_id": exc.known[0], "lost_hash": exc.known[1], "chain_end": head[0]}
+                detail = {
+                    "lost_id": exc.known[0],
+                    "lost_hash": exc.known[1],
+                    "chain_end": exc.chain_end,
+                }
                 await self._write(functools.partial(self._append_rewind, detail=detail))
             except Exception as failed:
                 event(_log, logging.WARNING, "rewind_retry", error=str(failed))
@@ -306,7 +312,6 @@ class Coordinator:
             break
         self._rewound.add(exc.known)
         self._lost = None
-        self._rewind_task = None
         event(
             _log,
             logging.WARNING,

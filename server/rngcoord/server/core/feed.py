@@ -138,10 +138,11 @@ class Feed:
 
             self._stop_listening = self._store.listen(notified)
 
-    def restart_at(self, head: tuple[int, str]) -> None:
-        """Follow the chain from `head` on: the store went back in time to it, and the
-        records after it are new ones, not the ones seen before."""
-        self._position = head[0]
+    def restart_at(self, position: int) -> None:
+        """Follow the chain from record `position` on: the store went back in time to it,
+        and the records after it are new ones, not the ones seen before. Records read twice
+        are harmless: every `on_record` effect can be applied again."""
+        self._position = position
         self._version = None
 
     async def stop(self) -> None:

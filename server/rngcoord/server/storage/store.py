@@ -79,11 +79,14 @@ class StoreRewound(StoreLost):
     Args:
         message: what happened, for the log and the callers.
         known: (record id, hash) of the newest record this process saw committed, now gone.
+        chain_end: the id of the store's chain head when this was found: the chain went back
+            to it or below (other processes may have appended since the failover).
     """
 
-    def __init__(self, message: str, known: tuple[int, str]) -> None:
+    def __init__(self, message: str, known: tuple[int, str], chain_end: int) -> None:
         super().__init__(message)
         self.known = known
+        self.chain_end = chain_end
 
 
 class KnownHead:
@@ -146,6 +149,8 @@ class KnownHead:
             "Run PostgreSQL with synchronous replication (docs/operations.md); "
             "docs/design.md §11.6 says what the server does now",
             known,
+            # The record at `known_id` is gone, or is another one: the chain went back below it.
+            min(last_id, known_id - 1),
         )
 
 
