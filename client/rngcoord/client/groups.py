@@ -239,7 +239,13 @@ def replica_name(name: str, replica: str) -> str:
     >>> replica_name("dp:2,tp:2[0-3]", "1")
     'dp:2,tp:2[0-3]/replica:1'
     """
-    suffix = f"/replica:{replica}"
+    return with_suffix(name, f"/replica:{replica}")
+
+
+def with_suffix(name: str, suffix: str) -> str:
+    """``name`` with ``suffix`` appended, or a digest of ``name`` with it where that would
+    break the contract's name rule (too long): the counterpart of a group among another set
+    of streams (a replica's, a manual_seed base's)."""
     if NAME_PATTERN.fullmatch(name + suffix):
         return name + suffix
     return f"sha:{hashlib.sha256(name.encode()).hexdigest()[:32]}{suffix}"

@@ -112,6 +112,7 @@ from rngcoord.client.groups import (
     replica_name,
     shared_group,
     stream_group,
+    with_suffix,
 )
 from rngcoord.client.leases import (
     ATTEST_MIN_S,
@@ -122,7 +123,6 @@ from rngcoord.client.leases import (
 )
 from rngcoord.client.router import random_op, unregister
 from rngcoord.client.trace import OpTrace
-from rngcoord.v1.rules import NAME_PATTERN
 from rngcoord.v1.seeds import group_seed
 from rngcoord.v1.types import JoinResult
 
@@ -1352,7 +1352,6 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
                 self._pending[tag] = entry
                 self._pending_from[tag] = from_job
                 continue
-            _check_seed(tag, entry["seed"], manager.seed)
             manager.restore(entry["offset"], entry["digest"], from_job=from_job)
 
     def _check_root_seed(self, state: Mapping[str, Any], streams: Mapping[str, Any]) -> None:
@@ -1440,10 +1439,7 @@ def scoped_name(name: str, scope: int) -> str:
     """The name of group ``name``'s counterpart among the streams of base seed ``scope``
     (:meth:`OffsetBasedRNGTracker.manual_seed`): ``name`` with ``/seed:<scope>`` appended, or
     a digest of ``name`` where that would be too long for the contract's name rule."""
-    suffix = f"/seed:{scope}"
-    if NAME_PATTERN.fullmatch(name + suffix):
-        return name + suffix
-    return f"sha:{hashlib.sha256(name.encode()).hexdigest()[:32]}{suffix}"
+    return with_suffix(name, f"/seed:{scope}")
 
 
 def _check_forward(

@@ -25,6 +25,7 @@ __all__ = [
     "check_store",
     "default_anchor_file",
     "last_anchored_id",
+    "lost_in_rewind",
     "read_anchor_files",
     "read_anchors",
     "rewound_range",
@@ -177,7 +178,7 @@ def check_store(
     for anchor in sorted(own, key=lambda a: int(a["id"])):
         record_id, record_hash = int(anchor["id"]), str(anchor["hash"])
         found = stored.get(record_id)
-        if found == record_hash or any(lo < record_id <= hi for lo, hi in rewinds):
+        if found == record_hash or lost_in_rewind(record_id, rewinds):
             continue  # in the chain, or one of the records a recorded rewind lost
         where = f"anchor {anchor.get('source')} (record {record_id}, hash {record_hash[:16]}...)"
         if found is None:
@@ -205,6 +206,12 @@ def rewound_range(detail: dict[str, Any]) -> tuple[int, int]:
     """The record ids (lo, hi] that a `rewind` record says the store lost: after the chain
     end it went back to, up to the newest record the server had seen committed."""
     return int(detail["chain_end"]), int(detail["lost_id"])
+
+
+def lost_in_rewind(record_id: int, rewinds: Iterable[tuple[int, int]]) -> bool:
+    """Whether record `record_id` is one that a rewind (`rewound_range`) says was lost: an
+    anchor of it is not counted against the chain."""
+    return any(lo < record_id <= hi for lo, hi in rewinds)
 
 
 _IDS_PER_QUERY = 500

@@ -19,8 +19,9 @@ offset reused).
   Restore: a grant whose (epoch, seq) is at or after a restore record of the same epoch that
   precedes it in the chain may reuse offsets.
 
-Notes say what the checks cannot see: a tail cut without an anchor given, and each
-`failover-gap` record (offsets a failover lost, which nothing since was granted from).
+Notes say what the checks cannot see: a tail cut without an anchor given, each `rewind`
+record (records a failover lost) and each `failover-gap` record (the offsets it lost, which
+epochs formed since start past).
 
 Problems are sentences naming the first record or row that disagrees; `VerifyReport.ok` is
 True when there are none. `rngcoord verify` prints the report.
@@ -35,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rngcoord.server.audit.anchors import rewound_range
+from rngcoord.server.audit.anchors import lost_in_rewind, rewound_range
 from rngcoord.server.audit.chain import (
     GENESIS_HASH,
     Chain,
@@ -325,8 +326,8 @@ def _gap_note(rec: AuditRecord) -> str:
         f"record {rec.id}: failover gap in job {rec.job!r} group {rec.group!r}: offsets "
         f"[{lo}, {hi}) were granted before and lost by the store (a failover that lost "
         f"commits), as rank {int(d['rank'])} (member {str(d['member_id'])!r}) reported when it "
-        "joined; the group's high-water mark moved past them, and nothing since was granted "
-        "from them"
+        "joined; the group's high-water mark moved past them, so epochs formed since start "
+        "past them"
     )
 
 
@@ -470,7 +471,7 @@ def _check_anchors(
             if not hmac.compare_digest(mac, str(anchor.get("mac", ""))):
                 problems.append(f"{where}: its signature does not match (forged or another key)")
                 continue
-        if hashes.get(record_id) != record_hash and any(lo < record_id <= hi for lo, hi in rewinds):
+        if hashes.get(record_id) != record_hash and lost_in_rewind(record_id, rewinds):
             continue  # a record the store lost, as a rewind record says (a note names it)
         if record_id > last_id:
             problems.append(
