@@ -665,6 +665,109 @@ def replica(ctx: Ctx) -> dict[str, Any]:
 
 
 @program
+def torchft_attach(ctx: Ctx) -> dict[str, Any]:
+    """rngcoord.client.torchft.attach on one rank against real torchft Managers (lighthouse
+    ``lighthouse``): each refusal of attach() and of a peer's state, by name, with the
+    streams before and after it; then a peer's state loaded as a heal would."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed.tensor as dt
+    from torch.distributed.tensor import Shard
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    from rngcoord.client import InvalidRequest, init_mesh, install
+    from rngcoord.client.torchft import attach
+    from rngcoord.v1.seeds import group_seed
+
+    mesh = init_mesh((ctx.world,), ("tp",), "cpu")
+    addr, job = ctx.args["addr"], ctx.args["job"]
+    managers: list[Manager] = []
+
+    def manager(replica: str, use_async_quorum: bool = False) -> Manager:
+        made = Manager(
+            pg=ProcessGroupGloo(), load_state_dict=None, state_dict=None, min_replica_size=1,
+            use_async_quorum=use_async_quorum, replica_id=f"attach_{replica}_{len(managers)}",
+            lighthouse_addr=ctx.args["lighthouse"], hostname="127.0.0.1",
+            store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+            rank=ctx.rank, world_size=ctx.world, timeout=timedelta(seconds=10),
+        )  # fmt: skip
+        managers.append(made)
+        return made
+
+    def draw() -> None:
+        dt.rand((8,), device_mesh=mesh, placements=[Shard(0)])
+
+    out: dict[str, Any] = {}
+
+    def refused(name: str, call: Any) -> None:
+        try:
+            call()
+        except InvalidRequest as e:
+            out[name] = str(e)
+        else:
+            out[name] = None
+
+    plain = install(mesh, addr, job=f"{job}-plain", seed=5, lease_size=64)
+    refused("no_replica", lambda: attach(manager("plain"), plain))
+    plain.close()
+
+    # The peer: replica 1 of the job draws 3 ops and sends its state as attach's would.
+    peer = install(mesh, addr, job=job, seed=5, lease_size=64, replica="1")
+    peer_ft = attach(manager("1"), peer)
+    for _ in range(3):
+        draw()
+    sent = peer_ft.state_dict()
+    peer.close()
+
+    drawn = install(mesh, addr, job=f"{job}-drawn", seed=5, lease_size=64, replica="0")
+    draw()
+    refused("after_first_op", lambda: attach(manager("drawn"), drawn))
+    drawn.close()
+
+    tracker = install(mesh, addr, job=job, seed=5, lease_size=64, replica="0")
+    refused("async_quorum", lambda: attach(manager("async", use_async_quorum=True), tracker))
+    sync = manager("0")
+    ft = attach(sync, tracker)
+    refused("twice", lambda: attach(sync, tracker))
+    before = tracker.state_dict()["streams"]
+    tag = next(iter(sent["tracker"]["streams"]))
+    entry = sent["tracker"]["streams"][tag]
+    bad = {
+        "not_attached": {"tracker": sent["tracker"]},
+        "other_job": {**sent, "tracker": {**sent["tracker"], "job": f"{job}-other"}},
+        "not_a_replica": {**sent, "replica": "2"},
+        "seed_not_the_roots": {
+            **sent,
+            "tracker": {**sent["tracker"], "streams": {tag: {**entry, "seed": entry["seed"] ^ 1}}},
+        },
+        "other_root_seed": {
+            **sent,
+            "tracker": {
+                **sent["tracker"],
+                "job_seed": 6,
+                "streams": {tag: {**entry, "seed": group_seed(6, tag)}},
+            },
+        },
+    }
+    for name, state in bad.items():
+        refused(name, lambda state=state: ft.load_state_dict(state))
+    out["unchanged"] = tracker.state_dict()["streams"] == before and ft.heals == 0
+
+    # The heal: replica 0 continues its own group at the peer's position, with its own seed.
+    ft.load_state_dict(sent)
+    draw()
+    out["heals"] = ft.heals
+    out["sent"] = entry
+    out["healed"] = tracker.state_dict()["streams"]
+    tracker.close()
+    for made in managers:
+        made.shutdown(wait=False)
+    return out
+
+
+@program
 def seed_checks(ctx: Ctx) -> dict[str, Any]:
     """Save a state of job ``<prefix>-a`` (root seed 1), then load it where its streams are
     not the job's: into a job of root seed 2, and (edited) into job a itself, installed

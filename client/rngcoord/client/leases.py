@@ -414,6 +414,11 @@ class LeaseManager:
         return self._digest
 
     @property
+    def ops(self) -> int:
+        """Random ops drawn since the stream's anchor: its join, or its latest Restore."""
+        return self._ops
+
+    @property
     def state(self) -> StreamState:
         """Where the stream stands, for a checkpoint."""
         return StreamState(self._cursor, self._digest, self._origin, self._largest_op)

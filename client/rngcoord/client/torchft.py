@@ -1,0 +1,244 @@
+"""torchft's replica groups on rngcoord streams: a healed replica draws what it would have.
+
+torchft (``torchft.Manager``) changes a job's membership at every step without restarts:
+replica groups join a quorum through a Lighthouse, a replica that dies is dropped while the
+others train on, and a replica that comes back *heals*: a live peer sends it the state
+registered with ``Manager.register_state_dict_fn``, and it rejoins at the current step.
+torchft does nothing about random numbers. :func:`attach` adds the tracker's part::
+
+    tracker = install(mesh, target, job, replica=os.environ["REPLICA_GROUP_ID"])
+    manager = Manager(pg=ProcessGroupGloo(), ..., use_async_quorum=False)
+    attach(manager, tracker)          # once, before the first random op
+    optimizer = OptimizerWrapper(manager, optimizer)
+
+- **A heal moves the stream with the model.** The peer sends its tracker state with its
+  model; the healing replica continues *its own* groups (``/replica:<name>``, seeds of its
+  own) at the peer's position: both ran the same ops up to this step, so that is where its
+  streams would stand had it never left. Its masks from the heal on are bit for bit those of
+  a run without the failure. Each restore is a Restore of the replica's group, audited.
+- **A step that does not commit is redrawn.** When ``should_commit()`` is false the step is
+  redone; the tracker rewinds every stream the step moved to where the step began (a Restore
+  each, voted by the replica's ranks, which all see the same verdict), so the redone step
+  draws the same masks again and a failed commit never moves a stream.
+
+This module never imports torchft: it calls the Manager's public methods only, and
+``import rngcoord.client`` imports neither it nor torchft.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from rngcoord.client.errors import InvalidRequest
+from rngcoord.client.groups import replica_name
+from rngcoord.client.leases import INITIAL_DIGEST
+from rngcoord.client.tracker import OffsetBasedRNGTracker, scoped_name
+from rngcoord.v1.seeds import group_seed
+
+__all__ = ["STATE_KEY", "Attachment", "attach"]
+
+STATE_KEY = "rngcoord"
+"""The key under which :func:`attach` registers the tracker with the Manager."""
+
+_NAME = re.compile(r"(?P<base>.+)/replica:(?P<replica>[A-Za-z0-9._-]+)(?:/seed:(?P<scope>\d+))?")
+
+
+class Manager(Protocol):
+    """What :func:`attach` uses of a ``torchft.Manager``."""
+
+    def register_state_dict_fn(self, key: str, load_state_dict: Any, state_dict: Any) -> None: ...
+
+    def start_quorum(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def should_commit(self, *args: Any, **kwargs: Any) -> bool: ...
+
+    def current_step(self) -> int: ...
+
+
+_attached: weakref.WeakKeyDictionary[Any, Attachment] = weakref.WeakKeyDictionary()
+_attached_lock = threading.Lock()
+
+
+class Attachment:
+    """A tracker attached to a torchft Manager (what :func:`attach` returns).
+
+    Args:
+        manager: the replica's ``torchft.Manager``.
+        tracker: this rank's tracker, installed with ``replica=``.
+    """
+
+    def __init__(self, manager: Manager, tracker: OffsetBasedRNGTracker) -> None:
+        self.manager = manager
+        self.tracker = tracker
+        self.heals = 0
+        """Peer states loaded (heals of this replica)."""
+        self.rewinds = 0
+        """Steps whose commit failed and whose streams were rewound."""
+        self._mark: dict[str, Any] | None = None
+
+    # -- what the Manager calls ----------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a peer sends a healing replica: this replica's name, its step, and the
+        tracker's state."""
+        return {
+            "replica": self.tracker.replica,
+            "step": self.manager.current_step(),
+            "tracker": self.tracker.state_dict(),
+        }
+
+    def load_state_dict(self, sent: Mapping[str, Any]) -> None:
+        """Continue this replica's own groups where the peer's groups stand."""
+        self.tracker.load_state_dict(self.translate(sent))
+        self.heals += 1
+
+    def translate(self, sent: Mapping[str, Any]) -> dict[str, Any]:
+        """The peer's tracker state as this replica's: each ``<group>/replica:<peer>`` stream
+        becomes ``<group>/replica:<ours>`` at the same cursor and fingerprint chain, with its
+        own seed; the peer's epochs, which say nothing about our groups, are dropped.
+
+        Raises:
+            InvalidRequest: the state is not an attached peer's, is another job's, or names a
+                stream that is not a replica's, or whose seed is not its group's under the
+                state's root seed.
+        """
+        peer, state = sent.get("replica"), sent.get("tracker")
+        if not isinstance(peer, str) or not isinstance(state, Mapping):
+            raise InvalidRequest(
+                f"the state under key {STATE_KEY!r} is not an attached peer's "
+                "(rngcoord.client.torchft.attach on every replica): nothing was restored"
+            )
+        job, ours = self.tracker.job, self.tracker.replica
+        assert ours is not None  # attach() checked
+        if state.get("job") != job:
+            raise InvalidRequest(
+                f"replica {peer!r} sent the state of job {state.get('job')!r}, and this "
+                f"replica belongs to job {job!r}: every replica of a torchft job must "
+                "install() with the same job name; nothing was restored"
+            )
+        root = state.get("job_seed")
+        streams: dict[str, Any] = {}
+        for tag, entry in dict(state.get("streams") or {}).items():
+            if not isinstance(entry, Mapping):
+                raise InvalidRequest(f"stream {tag!r} of replica {peer!r}'s state is malformed")
+            mine = _counterpart(tag, peer, ours)
+            seed = entry.get("seed")
+            if isinstance(root, int) and seed != group_seed(root, tag):
+                raise InvalidRequest(
+                    f"replica {peer!r}'s stream {tag!r} has seed {seed!r}, not its group's "
+                    f"seed under the state's root seed {root}: nothing was restored"
+                )
+            moved = {k: v for k, v in entry.items() if k != "epoch"}
+            if isinstance(root, int):
+                moved["seed"] = group_seed(root, mine)
+            streams[mine] = moved
+        return {**state, "streams": streams}
+
+    # -- the step ------------------------------------------------------------------------
+
+    def mark(self) -> None:
+        """Where this step begins (after the quorum, and any heal, of ``start_quorum``)."""
+        self._mark = self.tracker.state_dict()
+
+    def rewind(self) -> None:
+        """Put every stream the uncommitted step moved back where the step began."""
+        mark = self._mark
+        if mark is None:
+            return
+        before = mark["streams"]
+        back: dict[str, Any] = {}
+        for tag, entry in self.tracker.state_dict()["streams"].items():
+            start = before.get(tag)
+            if start is None:
+                # Joined during the step: it began at its origin, before any op.
+                start = {**entry, "offset": entry["origin"], "digest": INITIAL_DIGEST}
+            if start["offset"] != entry["offset"] or start["digest"] != entry["digest"]:
+                back[tag] = {k: v for k, v in start.items() if k != "epoch"}
+        if back:
+            self.tracker.load_state_dict({**mark, "streams": back})
+            self.rewinds += 1
+
+
+def attach(manager: Manager, tracker: OffsetBasedRNGTracker) -> Attachment:
+    """Make ``tracker``'s streams follow ``manager``'s steps and heals; call it once per
+    process, before the first random op.
+
+    Registers the tracker's state with ``manager.register_state_dict_fn("rngcoord", ...)``
+    so that a healing replica receives its peer's stream position with the model, and wraps
+    the manager's ``start_quorum`` (to note where each step begins) and ``should_commit``
+    (to rewind the streams of a step that did not commit).
+
+    Args:
+        manager: this replica's ``torchft.Manager``, built with ``use_async_quorum=False``.
+        tracker: this rank's tracker from :func:`rngcoord.client.install`, with ``replica``
+            set (or REPLICA_GROUP_ID in the environment).
+
+    Raises:
+        InvalidRequest: the tracker or the manager is attached already; the tracker has
+            drawn random numbers already; the tracker has no replica; or the manager runs
+            its quorum asynchronously (not supported yet).
+    """
+    if tracker.replica is None:
+        raise InvalidRequest(
+            "attach() needs a tracker of a replica: install(..., replica=NAME), or set "
+            "REPLICA_GROUP_ID as torchft's launchers do, so that each replica draws from "
+            "groups of its own"
+        )
+    if getattr(manager, "_use_async_quorum", False):
+        raise InvalidRequest(
+            "attach() supports torchft.Manager(use_async_quorum=False) only: with an "
+            "asynchronous quorum a heal lands after the step's random ops have drawn"
+        )
+    drawn = sorted(tag for tag, lease in tracker.leases.items() if lease.ops)
+    if drawn:
+        raise InvalidRequest(
+            f"attach() must come before the first random op, and this tracker has drawn in "
+            f"{', '.join(map(repr, drawn))} already: a heal could not tell where this "
+            "process's streams stand. Call attach() right after install() and Manager()"
+        )
+    with _attached_lock:
+        for key, what in ((tracker, "tracker"), (manager, "manager")):
+            if key in _attached:
+                raise InvalidRequest(f"this {what} is attached already: call attach() once")
+        attachment = Attachment(manager, tracker)
+        manager.register_state_dict_fn(STATE_KEY, attachment.load_state_dict, attachment.state_dict)
+        _wrap(manager, attachment)
+        _attached[tracker] = _attached[manager] = attachment
+    return attachment
+
+
+def _wrap(manager: Manager, attachment: Attachment) -> None:
+    # The Manager has no hooks for a step's start or its commit verdict; torchft's own
+    # OptimizerWrapper calls these two methods on the instance, so wrapping them there
+    # sees every step, however the training loop drives the Manager.
+    start_quorum, should_commit = manager.start_quorum, manager.should_commit
+
+    def start(*args: Any, **kwargs: Any) -> None:
+        start_quorum(*args, **kwargs)
+        attachment.mark()
+
+    def commit(*args: Any, **kwargs: Any) -> bool:
+        committed = should_commit(*args, **kwargs)
+        if not committed:
+            attachment.rewind()
+        return committed
+
+    manager.start_quorum = start  # type: ignore[method-assign]
+    manager.should_commit = commit  # type: ignore[method-assign]
+
+
+def _counterpart(tag: str, peer: str, ours: str) -> str:
+    """Our group for the peer's group ``tag``."""
+    m = _NAME.fullmatch(tag)
+    if m is None or m["replica"] != peer:
+        raise InvalidRequest(
+            f"stream {tag!r} of replica {peer!r}'s state is not one of that replica's groups "
+            f"(…/replica:{peer}): was the peer installed with replica={peer!r}? nothing was "
+            "restored"
+        )
+    name = replica_name(m["base"], ours)
+    return name if m["scope"] is None else scoped_name(name, int(m["scope"]))
