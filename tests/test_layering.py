@@ -83,8 +83,7 @@ def test_server_public_names_load_lazily() -> None:
 def test_the_torchft_integration_never_imports_torchft() -> None:
     # torchft is an optional extra: rngcoord.client.torchft uses the Manager it is given.
     code = (
-        "import sys, rngcoord.client, rngcoord.client.torchft\n"
-        "sys.exit('torchft' in sys.modules)\n"
+        "import sys, rngcoord.client, rngcoord.client.torchft\nsys.exit('torchft' in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr or "importing rngcoord.client loaded torchft"

@@ -18,7 +18,7 @@ from rngcoord.server.core.cache import AttestationKey, GroupState
 from rngcoord.server.core.context import Handler
 from rngcoord.server.core.membership import Caller, fence, fields, not_found, read_member
 from rngcoord.server.errors import Divergence, InvalidArgument
-from rngcoord.server.storage import queries
+from rngcoord.server.storage import attestation_queries, queries
 from rngcoord.server.storage.store import Tx
 from rngcoord.v1.rules import check_attested_ops, check_fingerprint, check_seq
 
@@ -65,7 +65,7 @@ class Attestations(Handler):
         if self._agrees_in_memory(caller, key, fingerprint):
             return
         first = await self._read(functools.partial(self._first, caller=caller, key=key))
-        if isinstance(first, queries.Attestation) and first.fingerprint == fingerprint:
+        if isinstance(first, attestation_queries.Attestation) and first.fingerprint == fingerprint:
             self._cache.attestations.put(key, fingerprint)
             return
         try:
@@ -99,7 +99,7 @@ class Attestations(Handler):
 
     def _first(
         self, tx: Tx, *, caller: Caller, key: AttestationKey
-    ) -> queries.Attestation | _Hear | None:
+    ) -> attestation_queries.Attestation | _Hear | None:
         """Fence the caller, fill the cache as Reserve's reads do, and return the first
         attestation of `key` (or `_HEAR` when the epoch diverged at this count)."""
         g = queries.group_row(tx, caller.job, caller.group)
@@ -116,7 +116,7 @@ class Attestations(Handler):
             if divergences.hears(diverged, _point(key), caller.rank):
                 return _HEAR
             raise divergences.refusal(caller.job, caller.group, caller.epoch, diverged, caller.rank)
-        return queries.attestation(tx, *key)
+        return attestation_queries.attestation(tx, *key)
 
     def _attest_tx(
         self, tx: Tx, *, caller: Caller, key: AttestationKey, fingerprint: bytes, now_us: int
@@ -144,9 +144,9 @@ class Attestations(Handler):
                 actor=caller.actor,
                 now_us=now_us,
             )
-        first = queries.attestation(tx, *key)
+        first = attestation_queries.attestation(tx, *key)
         if first is None:
-            covered = queries.covered_offsets(
+            covered = attestation_queries.covered_offsets(
                 tx, caller.job, caller.group, caller.epoch, anchor_seq
             )
             if ops * _OFFSETS_PER_OP > covered:
@@ -158,10 +158,12 @@ class Attestations(Handler):
                     field="ops",
                     value=ops,
                 )
-            queries.insert_attestation(
+            attestation_queries.insert_attestation(
                 tx,
                 *key,
-                queries.Attestation(fingerprint, caller.rank, caller.actor, caller.peer),
+                attestation_queries.Attestation(
+                    fingerprint, caller.rank, caller.actor, caller.peer
+                ),
                 now_us,
             )
             return

@@ -41,7 +41,7 @@ from rngcoord.server.core.membership import bad_credential, rank_list
 from rngcoord.server.core.seeds import draw_job_seed
 from rngcoord.server.errors import CoordinatorError, FailedPrecondition, JoinTimeout
 from rngcoord.server.logs import event, get_logger
-from rngcoord.server.storage import queries
+from rngcoord.server.storage import barrier_queries, queries
 from rngcoord.server.storage.store import Store, StoreLost, Tx
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.seeds import group_seed
@@ -303,14 +303,14 @@ class Barriers:
                 actor=first.actor,
                 detail=detail,
             )
-        count = max(0, g.barrier_count - queries.sweep_expired(tx, job, group, now_us))
+        count = max(0, g.barrier_count - barrier_queries.sweep_expired(tx, job, group, now_us))
         size = g.barrier_size if count else 0
         ranks = [r.rank for r in requests]
         current = queries.epoch_row(tx, job, group, g.epoch) if g.epoch else None
         in_current = queries.members_of_ranks(tx, job, group, g.epoch, ranks) if current else {}
         pending = {
             rank: (row.member_id, row.secret_hash)
-            for rank, row in queries.pending_of_ranks(tx, job, group, ranks).items()
+            for rank, row in barrier_queries.pending_of_ranks(tx, job, group, ranks).items()
         }
         epoch, high_water = g.epoch, g.high_water
         live: list[queries.EpochLaunch | None] = []  # the current epoch's, read once if needed
@@ -356,9 +356,9 @@ class Barriers:
                 continue
             if count and size != r.world_size:
                 if upserts:
-                    queries.upsert_pending(tx, job, group, upserts)
+                    barrier_queries.upsert_pending(tx, job, group, upserts)
                     upserts = []
-                waiting = queries.pending_ranks(tx, job, group, _LISTED_RANKS)
+                waiting = barrier_queries.pending_ranks(tx, job, group, _LISTED_RANKS)
                 outcomes.append(
                     FailedPrecondition(
                         f"rank {r.rank} joined group {group!r} with world size {r.world_size}, "
@@ -397,11 +397,11 @@ class Barriers:
             if count < size:
                 continue
             # The barrier is complete: the pending rows become the next epoch.
-            queries.upsert_pending(tx, job, group, upserts)
+            barrier_queries.upsert_pending(tx, job, group, upserts)
             upserts = []
-            members = queries.pending_members(tx, job, group)
+            members = barrier_queries.pending_members(tx, job, group)
             digest = members_digest(members)
-            first_us = queries.first_pending_us(tx, job, group)
+            first_us = barrier_queries.first_pending_us(tx, job, group)
             epoch += 1
             queries.insert_epoch(
                 tx,
@@ -415,7 +415,7 @@ class Barriers:
                 launch=r.launch,
                 restart_count=r.restart_count,
             )
-            queries.promote_pending(tx, job, group, epoch)
+            barrier_queries.promote_pending(tx, job, group, epoch)
             self._chain.append(
                 tx,
                 ts_us=now_us,
@@ -446,7 +446,7 @@ class Barriers:
             in_current = {rank: member_of[rank] for rank in ranks if rank in member_of}
             count, size, pending, waiting_since = 0, 0, {}, []
         if upserts:
-            queries.upsert_pending(tx, job, group, upserts)
+            barrier_queries.upsert_pending(tx, job, group, upserts)
         queries.set_barrier(tx, job, group, size, count)
         return outcomes, formed
 
@@ -564,7 +564,7 @@ class Barriers:
                 return None, {}, {}, False
             result = JoinResult(epoch, g.seed, row.start, seed, row.world_size, row.members_digest)
             members = queries.members_of_ranks(tx, job, group, epoch, ranks)
-            pending = queries.pending_of_ranks(tx, job, group, ranks)
+            pending = barrier_queries.pending_of_ranks(tx, job, group, ranks)
             return result, members, {r: p.member_id for r, p in pending.items()}, g.epoch == epoch
 
         result, members, pending, current = await self._read(read)
@@ -610,7 +610,7 @@ class Barriers:
         if cached is not None and cached[1] == world_size and now - cached[0] < 1.0:
             return cached[2], cached[3]
         first, count = await self._read(
-            lambda tx: queries.missing_ranks(tx, job, group, world_size, _LISTED_RANKS + 1)
+            lambda tx: barrier_queries.missing_ranks(tx, job, group, world_size, _LISTED_RANKS + 1)
         )
         self._missing_cache[job, group] = (now, world_size, first, count)
         return first, count
@@ -666,9 +666,9 @@ class Barriers:
             seed = queries.job_seed(tx, r.job)
             assert row is not None and seed is not None
             return JoinResult(g.epoch, g.seed, row.start, seed, row.world_size, row.members_digest)
-        if queries.withdraw_pending(tx, r.job, r.group, r.rank, r.member_id):
+        if barrier_queries.withdraw_pending(tx, r.job, r.group, r.rank, r.member_id):
             queries.set_barrier(tx, r.job, r.group, g.barrier_size, g.barrier_count - 1)
-        elif queries.pending_of_ranks(tx, r.job, r.group, [r.rank]):
+        elif barrier_queries.pending_of_ranks(tx, r.job, r.group, [r.rank]):
             return f"rank {r.rank} is now joining as another member, not {r.member_id!r}", [], 0
         first, missing_count = missing
         if r.rank in first:

@@ -22,7 +22,7 @@ from typing import Any
 from rngcoord.server.audit.chain import Chain
 from rngcoord.server.core.membership import rank_list
 from rngcoord.server.errors import Divergence
-from rngcoord.server.storage import queries
+from rngcoord.server.storage import attestation_queries, queries
 from rngcoord.server.storage.store import Tx
 
 __all__ = ["HEARD", "Side", "add_side", "hears", "record", "record_ranks", "refusal", "summary"]
@@ -139,7 +139,7 @@ def record(
     op count) between the first speaker and the caller, and audit it, inside the writer's
     transaction; return the caller's refusal (raise it: `Divergence` keeps its writes)."""
     for side, is_first in ((first, True), (caller, False)):
-        queries.insert_side(tx, job, group, epoch, at, side, is_first, now_us)
+        attestation_queries.insert_side(tx, job, group, epoch, at, side, is_first, now_us)
     stored = _rederive(
         tx,
         chain,
@@ -171,7 +171,7 @@ def add_side(
 ) -> Divergence:
     """Hear a member that speaks at the point of the epoch's divergence: keep its side (once
     per rank), re-derive the sides and audit the addition; return its refusal."""
-    if queries.insert_side(tx, job, group, epoch, at, caller, False, now_us):
+    if attestation_queries.insert_side(tx, job, group, epoch, at, caller, False, now_us):
         stored = _rederive(
             tx,
             chain,
@@ -239,7 +239,7 @@ that ask later get the record as it stands."""
 
 def _summarise(tx: Tx, job: str, group: str, epoch: int, at: str, where: dict[str, int]) -> str:
     """The epoch's divergence record, from every side heard at point `at`."""
-    rows = queries.sides(tx, job, group, epoch, at)
+    rows = attestation_queries.sides(tx, job, group, epoch, at)
     by_sent: dict[str, list[int]] = defaultdict(list)
     first_rank, first_sent = -1, ""
     for rank, sent, is_first in rows:

@@ -5,7 +5,9 @@
 - `sqlite`, `postgres`: the two backends, with `groupcommit` (the batched writer they
   share); what a replication mode promises is the base's (rngcoord.server.replication), since
   the metrics and the status page show it too;
-- `queries`: every SQL statement, in the portable dialect both backends run;
+- `queries`: the SQL statements, in the portable dialect both backends run, with two of
+  their own: `barrier_queries` (the join barrier's pending joins) and `attestation_queries`
+  (the op-sequence checks);
 - `stores`: `open_store(url)`, the one way to open a store;
 - `migrations/`: each backend's schema, as numbered SQL files.
 

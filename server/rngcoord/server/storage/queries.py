@@ -12,30 +12,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from rngcoord.server.storage.store import ReadAhead, Tx, from_db, to_db
 
 __all__ = [
     "RESERVE_LOOKUP",
-    "Attestation",
     "EpochRow",
     "GroupRow",
     "LeaseRow",
     "Member",
-    "PendingRow",
     "ReserveState",
     "audit_head",
     "chain_records",
-    "covered_offsets",
     "epoch_row",
-    "first_pending_us",
     "group_row",
     "insert_epoch",
     "insert_group",
     "insert_job",
     "insert_lease",
-    "insert_side",
     "job_seed",
     "lease_count",
     "lease_row",
@@ -45,7 +39,6 @@ __all__ = [
     "reserve_ahead",
     "reserve_state",
     "restore_cursor",
-    "sides",
 ]
 
 
@@ -95,17 +88,6 @@ class Member:
 
     member_id: str
     left: bool
-    secret_hash: bytes | None
-
-
-@dataclass(frozen=True, slots=True)
-class PendingRow:
-    """A rank waiting in a join barrier."""
-
-    rank: int
-    member_id: str
-    world_size: int
-    expires_us: int
     secret_hash: bytes | None
 
 
@@ -266,109 +248,6 @@ def set_diverged(tx: Tx, job: str, group: str, epoch: int, record: str) -> None:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Attestation:
-    """The first attestation of an op count: what was sent, and by whom."""
-
-    fingerprint: bytes
-    rank: int
-    actor: str
-    peer: str
-
-
-def attestation(
-    tx: Tx, job: str, group: str, epoch: int, anchor_seq: int, ops: int
-) -> Attestation | None:
-    """The first attestation of the key, or None."""
-    row = tx.fetchone(
-        "SELECT fingerprint, rank, actor, peer FROM attestations "
-        "WHERE job = ? AND grp = ? AND epoch = ? AND anchor_seq = ? AND ops = ?",
-        (job, group, epoch, anchor_seq, ops),
-    )
-    return None if row is None else Attestation(bytes(row[0]), int(row[1]), row[2], row[3])
-
-
-def insert_attestation(
-    tx: Tx,
-    job: str,
-    group: str,
-    epoch: int,
-    anchor_seq: int,
-    ops: int,
-    first: Attestation,
-    now_us: int,
-) -> None:
-    tx.write(
-        "INSERT INTO attestations "
-        "(job, grp, epoch, anchor_seq, ops, fingerprint, rank, actor, peer, created_us) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (
-            job,
-            group,
-            epoch,
-            anchor_seq,
-            ops,
-            first.fingerprint,
-            first.rank,
-            first.actor,
-            first.peer,
-            now_us,
-        ),
-    )
-
-
-def covered_offsets(tx: Tx, job: str, group: str, epoch: int, anchor_seq: int) -> int:
-    """Offsets granted in the epoch from the start of lease `anchor_seq` to the end of its
-    last lease: what the ops since that anchor can have drawn from (0 with no lease)."""
-    row = tx.fetchone(
-        'SELECT a.start, MAX(l."end") FROM leases a JOIN leases l ON l.job = a.job '
-        "AND l.grp = a.grp AND l.epoch = a.epoch AND l.seq >= a.seq "
-        "WHERE a.job = ? AND a.grp = ? AND a.epoch = ? AND a.seq = ? GROUP BY a.start",
-        (job, group, epoch, anchor_seq),
-    )
-    if row is None or row[0] is None:
-        return 0
-    return from_db(row[1]) - from_db(row[0])
-
-
-def insert_side(
-    tx: Tx, job: str, group: str, epoch: int, at: str, side: Any, first: bool, now_us: int
-) -> bool:
-    """Keep what a rank sent at a divergence's point (a `divergences.Side`); False when that
-    rank was heard there already."""
-    return (
-        tx.execute(
-            "INSERT INTO divergence_sides (job, grp, epoch, at, rank, side, first, actor, peer, "
-            "created_us) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-            "ON CONFLICT (job, grp, epoch, at, rank) DO NOTHING",
-            (
-                job,
-                group,
-                epoch,
-                at,
-                side.rank,
-                side.sent,
-                1 if first else 0,
-                side.actor,
-                side.peer,
-                now_us,
-            ),
-        )
-        > 0
-    )
-
-
-def sides(tx: Tx, job: str, group: str, epoch: int, at: str) -> list[tuple[int, str, bool]]:
-    """(rank, what it sent, whether it spoke first) of every rank heard at a divergence's
-    point, in rank order."""
-    rows = tx.fetchall(
-        "SELECT rank, side, first FROM divergence_sides "
-        "WHERE job = ? AND grp = ? AND epoch = ? AND at = ? ORDER BY rank",
-        (job, group, epoch, at),
-    )
-    return [(int(r), str(sent), bool(first)) for r, sent, first in rows]
-
-
 # ------------------------------------------------------------------------------- members
 
 
@@ -428,137 +307,6 @@ def set_left(tx: Tx, job: str, group: str, epoch: int, rank: int, now_us: int) -
 
 
 # ------------------------------------------------------------------------- join barrier
-
-
-WITHDRAWN = 0
-"""`expires_us` of a pending join whose caller gave up: it no longer counts for the barrier,
-but until the group's next batch clears it, peers that time out still see that the rank came,
-so they name only the ranks that never did."""
-
-
-def sweep_expired(tx: Tx, job: str, group: str, now_us: int) -> int:
-    """Delete the group's pending joins that expired by `now_us`, and the withdrawn ones;
-    return how many of the first kind (the withdrawn ones were already uncounted)."""
-    expired = tx.execute(
-        "DELETE FROM pending_joins WHERE job = ? AND grp = ? AND expires_us <= ? "
-        "AND expires_us <> ?",
-        (job, group, now_us, WITHDRAWN),
-    )
-    tx.execute(
-        "DELETE FROM pending_joins WHERE job = ? AND grp = ? AND expires_us = ?",
-        (job, group, WITHDRAWN),
-    )
-    return expired
-
-
-def pending_of_ranks(tx: Tx, job: str, group: str, ranks: Sequence[int]) -> dict[int, PendingRow]:
-    """The group's pending (not withdrawn) joins of `ranks`, by rank."""
-    found: dict[int, PendingRow] = {}
-    wanted = sorted(set(ranks))
-    for i in range(0, len(wanted), 500):
-        chunk = wanted[i : i + 500]
-        rows = tx.fetchall(
-            "SELECT rank, member_id, world_size, expires_us, secret_hash FROM pending_joins "
-            f"WHERE job = ? AND grp = ? AND expires_us <> ? "
-            f"AND rank IN ({', '.join('?' for _ in chunk)})",
-            (job, group, WITHDRAWN, *chunk),
-        )
-        for rank, member_id, world_size, expires_us, secret in rows:
-            found[int(rank)] = PendingRow(
-                int(rank),
-                member_id,
-                int(world_size),
-                int(expires_us),
-                None if secret is None else bytes(secret),
-            )
-    return found
-
-
-def pending_ranks(tx: Tx, job: str, group: str, limit: int) -> list[int]:
-    """Up to `limit` ranks waiting in the group's barrier, in rank order (for messages)."""
-    rows = tx.fetchall(
-        "SELECT rank FROM pending_joins WHERE job = ? AND grp = ? AND expires_us <> ? "
-        "ORDER BY rank LIMIT ?",
-        (job, group, WITHDRAWN, limit),
-    )
-    return [int(r) for (r,) in rows]
-
-
-def missing_ranks(
-    tx: Tx, job: str, group: str, world_size: int, limit: int
-) -> tuple[list[int], int]:
-    """The first `limit` ranks below `world_size` that never came (no pending join, withdrawn
-    ones counting as come), in rank order, and how many never came in all.
-
-    It reads every pending rank of the group: a timeout's cost, once per timed-out join.
-    """
-    came = {
-        int(r)
-        for (r,) in tx.fetchall(
-            "SELECT rank FROM pending_joins WHERE job = ? AND grp = ?", (job, group)
-        )
-        if int(r) < world_size
-    }
-    first: list[int] = []
-    for rank in range(world_size):
-        if len(first) == limit:
-            break
-        if rank not in came:
-            first.append(rank)
-    return first, world_size - len(came)
-
-
-def upsert_pending(tx: Tx, job: str, group: str, rows: Sequence[tuple[object, ...]]) -> None:
-    """Insert or replace pending joins: rows of (rank, member_id, world_size, expires_us,
-    joined_us, peer, secret_hash)."""
-    tx.executemany(
-        "INSERT INTO pending_joins (job, grp, rank, member_id, world_size, expires_us, joined_us, "
-        "peer, secret_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job, grp, rank) DO "
-        "UPDATE SET member_id = excluded.member_id, world_size = excluded.world_size, "
-        "expires_us = excluded.expires_us, joined_us = excluded.joined_us, peer = excluded.peer, "
-        "secret_hash = excluded.secret_hash",
-        [(job, group, *row) for row in rows],
-    )
-
-
-def withdraw_pending(tx: Tx, job: str, group: str, rank: int, member_id: str) -> int:
-    """Withdraw `rank`'s pending join if `member_id` holds it; return 1 if it did, else 0."""
-    return tx.execute(
-        "UPDATE pending_joins SET expires_us = ? WHERE job = ? AND grp = ? AND rank = ? "
-        "AND member_id = ? AND expires_us <> ?",
-        (WITHDRAWN, job, group, rank, member_id, WITHDRAWN),
-    )
-
-
-def pending_members(tx: Tx, job: str, group: str) -> list[tuple[int, str]]:
-    """(rank, member_id) of every pending (not withdrawn) join of the group, in rank order."""
-    rows = tx.fetchall(
-        "SELECT rank, member_id FROM pending_joins WHERE job = ? AND grp = ? AND expires_us <> ? "
-        "ORDER BY rank",
-        (job, group, WITHDRAWN),
-    )
-    return [(int(r), m) for r, m in rows]
-
-
-def first_pending_us(tx: Tx, job: str, group: str) -> int | None:
-    """When the earliest pending (not withdrawn) join of the group arrived, or None."""
-    row = tx.fetchone(
-        "SELECT MIN(joined_us) FROM pending_joins WHERE job = ? AND grp = ? AND expires_us <> ?",
-        (job, group, WITHDRAWN),
-    )
-    return None if row is None or row[0] is None else int(row[0])
-
-
-def promote_pending(tx: Tx, job: str, group: str, epoch: int) -> None:
-    """Make the group's pending joins the members of `epoch`, and clear them all."""
-    tx.execute(
-        "INSERT INTO members (job, grp, epoch, rank, member_id, joined_us, left_us, peer, "
-        "secret_hash) SELECT job, grp, ?, rank, member_id, joined_us, NULL, peer, secret_hash "
-        "FROM pending_joins "
-        "WHERE job = ? AND grp = ? AND expires_us <> ?",
-        (epoch, job, group, WITHDRAWN),
-    )
-    tx.execute("DELETE FROM pending_joins WHERE job = ? AND grp = ?", (job, group))
 
 
 # ------------------------------------------------------------------------------- leases
