@@ -61,14 +61,12 @@ import asyncio
 import hashlib
 import hmac
 import logging
-import os
 import secrets
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -84,14 +82,20 @@ from rngcoord.server.auth import Identity, TokenTable
 from rngcoord.server.logs import event, get_logger
 from rngcoord.server.storage.queries import audit_head
 from rngcoord.server.storage.store import Store, Tx
+from rngcoord.server.web.present import IDLE_AFTER_S, ago, by_state, percent, record_json, utc
+from rngcoord.server.web.sessions import (
+    COOKIE,
+    LOGIN_COOKIE,
+    LOGIN_COOKIE_S,
+    MAX_SESSIONS,
+    Session,
+    session_digest,
+    session_s_from_env,
+)
 from rngcoord.server.web.views import GroupView, group_state, group_views
 from rngcoord.v1.types import AuditRecord
 
 __all__ = [
-    "COOKIE",
-    "MAX_SESSIONS",
-    "SESSION_ENV",
-    "SESSION_S",
     "Source",
     "StatusServer",
     "StatusThread",
@@ -102,23 +106,10 @@ __all__ = [
 T = TypeVar("T")
 _log = get_logger("status")
 
-COOKIE = "rngcoord_session"
-"""The session cookie's name over plain HTTP; under TLS it is `__Host-` + this."""
-
-SESSION_S = 12 * 3600.0
-"""How long a session lasts from sign-in, by default."""
-
-SESSION_ENV = "RNGCOORD_STATUS_SESSION_S"
-"""The environment variable that sets the session lifetime in seconds."""
-
-MAX_SESSIONS = 1024
-"""Most sessions one process keeps; signing in past it ends the oldest."""
 
 VIEW_ROLES = frozenset({"auditor", "admin"})
 """The roles that may see the page and /api."""
 
-_LOGIN_COOKIE = "rngcoord_login"
-_LOGIN_COOKIE_S = 3600
 _TEMPLATES = Path(__file__).resolve().parent / "templates"
 _STATIC = {
     "status.js": "text/javascript",
@@ -128,7 +119,6 @@ _AUDIT_TAIL = 50
 _MAX_AUDIT_TAIL = 500
 _MEMBER_LIMIT = 64
 _REFRESH_MS = 1000
-_IDLE_AFTER_S = 60.0
 _IDENTITY = "rngcoord.identity"
 _SESSION = "rngcoord.session"
 _CSP = (
@@ -141,7 +131,6 @@ _SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "same-origin",
 }
-_STATE_ORDER = ("active", "idle", "finished")
 
 
 class Source(Protocol):
@@ -171,32 +160,6 @@ class _Denied(Exception):
         super().__init__(why)
         self.status = status
         self.why = why
-
-
-@dataclass(frozen=True, slots=True)
-class _Session:
-    who: Identity
-    expires: float
-    """time.monotonic() at which it ends."""
-    csrf: str
-    """The form token sign-out must carry."""
-
-
-def _session_s_from_env() -> float:
-    text = os.environ.get(SESSION_ENV, "")
-    if not text:
-        return SESSION_S
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise ValueError(f"{SESSION_ENV} must be a number of seconds") from None
-    if not seconds > 0:
-        raise ValueError(f"{SESSION_ENV} must be more than 0 seconds")
-    return seconds
-
-
-def _digest(text: str) -> bytes:
-    return hashlib.sha256(text.encode("utf-8")).digest()
 
 
 class StatusServer:
@@ -237,23 +200,23 @@ class StatusServer:
         self._open_access = open_access
         self._refresh_ms = refresh_ms
         self._tls = tls
-        self._session_s = session_s if session_s is not None else _session_s_from_env()
+        self._session_s = session_s if session_s is not None else session_s_from_env()
         # Keyed by the SHA-256 of the cookie's id: what the table holds cannot be replayed.
-        self._sessions: dict[bytes, _Session] = {}
+        self._sessions: dict[bytes, Session] = {}
         # Signs the sign-in form's token; a fresh key per process is enough, as a form
         # outlives neither its process nor its pre-session cookie.
         self._form_key = secrets.token_bytes(32)
         prefix = "__Host-" if tls is not None else ""
         self._cookie = prefix + COOKIE
-        self._login_cookie = prefix + _LOGIN_COOKIE
+        self._login_cookie = prefix + LOGIN_COOKIE
         self._env = jinja2.Environment(
             loader=jinja2.FileSystemLoader(_TEMPLATES),
             autoescape=True,
             undefined=jinja2.StrictUndefined,
         )
-        self._env.filters["utc"] = _utc
-        self._env.filters["percent"] = _percent
-        self._env.filters["ago"] = _ago
+        self._env.filters["utc"] = utc
+        self._env.filters["percent"] = percent
+        self._env.filters["ago"] = ago
         self._static = {
             name: (f"{kind}; charset=utf-8", (_TEMPLATES / "static" / name).read_bytes())
             for name, kind in _STATIC.items()
@@ -347,12 +310,12 @@ class StatusServer:
 
     # --------------------------------------------------------------------- access
 
-    def _session(self, request: web.Request) -> tuple[bytes, _Session] | None:
+    def _session(self, request: web.Request) -> tuple[bytes, Session] | None:
         """The live session `request`'s cookie names, or None (an expired one is ended)."""
         sid = request.cookies.get(self._cookie, "")
         if not sid:
             return None
-        key = _digest(sid)
+        key = session_digest(sid)
         session = self._sessions.get(key)
         if session is None:
             return None
@@ -479,9 +442,9 @@ class StatusServer:
     def _groups_context(self, groups: list[GroupView]) -> dict[str, Any]:
         now_us = _now_us()
         return {
-            "sections": _by_state(groups, now_us),
+            "sections": by_state(groups, now_us),
             "has_groups": bool(groups),
-            "now": _utc(now_us),
+            "now": utc(now_us),
             "now_us": now_us,
             **self._head(),
         }
@@ -490,13 +453,13 @@ class StatusServer:
         who = request[_IDENTITY]
         groups = await self._groups(who)
         records = await self._audit(who, 0, _AUDIT_TAIL)
-        session: _Session | None = request.get(_SESSION)
+        session: Session | None = request.get(_SESSION)
         return self._render(
             "page.html",
             who=who,
             logout_token=session.csrf if session is not None else None,
             is_open=self.is_open,
-            records=[_record_json(r) for r in reversed(records)],
+            records=[record_json(r) for r in reversed(records)],
             last_id=records[-1].id if records else 0,
             refresh_ms=self._refresh_ms,
             **self._groups_context(groups),
@@ -513,7 +476,7 @@ class StatusServer:
             {
                 **self._head(),
                 "groups": [
-                    {**g.to_json(), "state": group_state(g, now_us, _IDLE_AFTER_S)} for g in groups
+                    {**g.to_json(), "state": group_state(g, now_us, IDLE_AFTER_S)} for g in groups
                 ],
                 "now_us": now_us,
             }
@@ -533,7 +496,7 @@ class StatusServer:
         records = await self._audit(request[_IDENTITY], after_id, limit)
         return web.json_response(
             {
-                "records": [_record_json(r) for r in records],
+                "records": [record_json(r) for r in records],
                 "last_id": records[-1].id if records else after_id,
             }
         )
@@ -574,7 +537,7 @@ class StatusServer:
             form_token=self._form_token(login_id),
         )
         if fresh:
-            self._set_cookie(response, self._login_cookie, login_id, _LOGIN_COOKIE_S)
+            self._set_cookie(response, self._login_cookie, login_id, LOGIN_COOKIE_S)
         return response
 
     def _set_cookie(
@@ -634,7 +597,7 @@ class StatusServer:
             # Dicts keep insertion order: the first is the oldest.
             del self._sessions[next(iter(self._sessions))]
         sid = secrets.token_urlsafe(32)
-        self._sessions[_digest(sid)] = _Session(
+        self._sessions[session_digest(sid)] = Session(
             who, now + self._session_s, secrets.token_urlsafe(32)
         )
         return sid
@@ -661,102 +624,8 @@ class StatusServer:
         return web.Response(text=html, status=status, content_type="text/html")
 
 
-def _by_state(
-    groups: list[GroupView], now_us: int
-) -> list[tuple[str, list[tuple[str, str, int, list[tuple[GroupView, str]]]]]]:
-    """The jobs under each state (active, idle, finished), newest activity first: (state,
-    [(job, job state, last activity µs, [(group, group state)])]). A job is as awake as its
-    most awake group."""
-    jobs: dict[str, list[tuple[GroupView, str]]] = {}
-    for g in groups:
-        jobs.setdefault(g.job, []).append((g, group_state(g, now_us, _IDLE_AFTER_S)))
-    sections: dict[str, list[tuple[str, str, int, list[tuple[GroupView, str]]]]] = {
-        state: [] for state in _STATE_ORDER
-    }
-    for job, members in jobs.items():
-        state = min((s for _, s in members), key=_STATE_ORDER.index)
-        last = max(g.last_activity_us for g, _ in members)
-        members.sort(key=lambda m: (_STATE_ORDER.index(m[1]), -m[0].last_activity_us))
-        sections[state].append((job, state, last, members))
-    for listed in sections.values():
-        listed.sort(key=lambda j: (-j[2], j[0]))
-    return [(state, sections[state]) for state in _STATE_ORDER]
-
-
-# Shown in their own columns (epoch, range) or only on hover (long hex and seeds).
-_COLUMNS = frozenset({"epoch", "start", "end", "cursor", "floor"})
-_HOVER_ONLY = ("seed", "fingerprint", "digest", "hash", "key_id")
-
-
-def _offset_range(detail: dict[str, Any]) -> str:
-    start, end = detail.get("start"), detail.get("end")
-    if isinstance(start, int) and isinstance(end, int):
-        return f"{start:,}\u2013{end:,}"
-    if isinstance(detail.get("cursor"), int):
-        return f"→ {detail['cursor']:,}"
-    if isinstance(start, int):
-        return f"from {start:,}"
-    if isinstance(detail.get("floor"), int):
-        return f"floor {detail['floor']:,}"
-    return ""
-
-
-def _summary(detail: dict[str, Any]) -> str:
-    parts = []
-    for key, value in sorted(detail.items()):
-        if key in _COLUMNS or any(word in key for word in _HOVER_ONLY):
-            continue
-        if isinstance(value, list):
-            value = ",".join(map(str, value[:8])) + ("…" if len(value) > 8 else "")
-        parts.append(f"{key.replace('_', ' ')} {value}")
-    return ", ".join(parts)
-
-
-def _record_json(r: AuditRecord) -> dict[str, Any]:
-    detail = r.detail
-    epoch = detail.get("epoch")
-    hover = [f"record {r.id}", f"hash {r.hash}", f"prev {r.prev_hash}"]
-    hover += [f"{k} {v}" for k, v in sorted(detail.items())]
-    return {
-        "id": r.id,
-        "time": _utc(r.ts_us),
-        "job": r.job,
-        "group": r.group,
-        "kind": r.kind,
-        "actor": r.actor,
-        "epoch": epoch if isinstance(epoch, int) else None,
-        "range": _offset_range(detail),
-        "summary": _summary(detail),
-        "title": "\n".join(hover),
-        "detail": " ".join(f"{k}={v}" for k, v in sorted(detail.items())),
-    }
-
-
 def _now_us() -> int:
     return int(datetime.now(UTC).timestamp() * 1_000_000)
-
-
-def _utc(ts_us: int | None) -> str:
-    if not ts_us:
-        return "-"
-    return datetime.fromtimestamp(ts_us / 1e6, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-
-
-def _ago(seconds: float) -> str:
-    """'4 s ago', '12 min ago', '3 h ago', '2 d ago'."""
-    if seconds < 1:
-        return "just now"
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{int(seconds // size)} {unit} ago"
-    return f"{int(seconds)} s ago"
-
-
-def _percent(share: float) -> str:
-    if share == 0:
-        return "0%"
-    # A training job uses a sliver of 2^64: three significant digits show that it moves.
-    return f"{share * 100:.3g}%"
 
 
 class StoreSource:
