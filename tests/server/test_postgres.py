@@ -25,7 +25,8 @@ from rngcoord.server.audit.chain import Chain
 from rngcoord.server.audit.verify import verify
 from rngcoord.server.core.coordinator import Coordinator
 from rngcoord.server.errors import Divergence, InvalidArgument, StaleEpoch, Unavailable
-from rngcoord.server.storage.postgres import PostgresStore, convert_placeholders
+from rngcoord.server.storage.postgres import PostgresStore
+from rngcoord.server.storage.postgres_tx import convert_placeholders
 from rngcoord.server.storage.store import ReadAhead, Tx
 from rngcoord.v1.types import JoinResult, Lease
 

@@ -3,8 +3,9 @@
 - `store`: the `Store` protocol every backend implements, its errors, the known-head check and
   the migrations runner;
 - `sqlite`, `postgres`: the two backends, with `groupcommit` (the batched writer they
-  share); what a replication mode promises is the base's (rngcoord.server.replication), since
-  the metrics and the status page show it too;
+  share) and `postgres_tx` (PostgreSQL's write transaction and placeholders); what a
+  replication mode promises is the base's (rngcoord.server.replication), since the metrics
+  and the status page show it too;
 - `queries`: the SQL statements, in the portable dialect both backends run, with two of
   their own: `barrier_queries` (the join barrier's pending joins) and `attestation_queries`
   (the op-sequence checks);
