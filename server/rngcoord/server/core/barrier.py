@@ -34,9 +34,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from rngcoord.server.addresses import peer_host
 from rngcoord.server.audit.chain import Chain
 from rngcoord.server.clock import Clock
+from rngcoord.server.core.joins import (
+    LISTED_RANKS,
+    JoinRequest,
+    formed_without,
+    in_use,
+    never_recorded,
+    ranks_text,
+)
 from rngcoord.server.core.membership import bad_credential, rank_list
 from rngcoord.server.core.seeds import draw_job_seed
 from rngcoord.server.errors import CoordinatorError, FailedPrecondition, JoinTimeout
@@ -47,65 +54,12 @@ from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.seeds import group_seed
 from rngcoord.v1.types import JoinResult, members_digest
 
-__all__ = ["Barriers", "JoinRequest", "ranks_text"]
+__all__ = ["Barriers"]
 
 T = TypeVar("T")
 
-_LISTED_RANKS = 16
-#: An epoch whose members were active this recently is live: a join of another launch does
-#: not replace it (JOB_IN_USE) unless it asks for a takeover. Activity is what the store
-#: records (leases, first attestations), and a steady rank attests once per 30 to 60 s
-#: (docs/design.md §6.1): three times the longest interval, so a live job never looks idle.
-LIVE_EPOCH_S = 180.0
 _MAX_BATCH = 4096
 _log = get_logger("barrier")
-
-
-def ranks_text(ranks: Sequence[int], total: int | None = None) -> str:
-    """A rank list for a message, cut short when long: "[0, 1, ..., 15, ...] (N ranks)"."""
-    total = len(ranks) if total is None else total
-    if total <= _LISTED_RANKS and len(ranks) == total:
-        return str(list(ranks))
-    shown = ", ".join(str(r) for r in ranks[:_LISTED_RANKS])
-    return f"[{shown}, ...] ({total} ranks)"
-
-
-@dataclass(frozen=True, slots=True)
-class JoinRequest:
-    """One rank's join, validated.
-
-    Args:
-        job, group: the names.
-        rank: the rank, below `world_size`.
-        world_size: ranks that form the epoch.
-        member_id: the process incarnation.
-        secret_hash: `membership.secret_hash` of the member's secret: a retried join must
-            carry the same secret, and later calls as the member too.
-        job_seed: the root seed asked for, or None.
-        timeout_s: how long to wait.
-        actor: who asks, for the audit log.
-        peer: the caller's address, kept with its membership.
-        launch: which launch of the job the rank belongs to ("": no launch check).
-        restart_count: the launch's torchelastic restart count.
-        takeover: replace a live epoch of another launch.
-        position: where the member knows the group's grants reach (JoinGroupRequest.position);
-            an epoch it forms starts at or above it, a move audited as `failover-gap`.
-    """
-
-    job: str
-    group: str
-    rank: int
-    world_size: int
-    member_id: str
-    secret_hash: bytes
-    job_seed: int | None
-    timeout_s: float
-    actor: str
-    peer: str
-    launch: str = ""
-    restart_count: int = 0
-    takeover: bool = False
-    position: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -273,7 +227,7 @@ class Barriers:
         first = requests[0]
         stored = queries.job_seed(tx, job)
         if stored is None:
-            _never_recorded(tx, job, "", "job")
+            never_recorded(tx, job, "", "job")
             asked = next((r.job_seed for r in requests if r.job_seed is not None), None)
             stored = drawn if asked is None else asked
             queries.insert_job(tx, job, stored, now_us)
@@ -288,7 +242,7 @@ class Barriers:
             )
         g = queries.group_row(tx, job, group)
         if g is None:
-            _never_recorded(tx, job, group, "group")
+            never_recorded(tx, job, group, "group")
             floor = queries.floor_of(tx, job, group)
             g = queries.insert_group(tx, job, group, group_seed(stored, group), floor)
             detail: dict[str, object] = {"seed": g.seed}
@@ -350,7 +304,7 @@ class Barriers:
                     )
                 )
                 continue
-            refusal = self._in_use(tx, r, epoch, live, now_us) if current is not None else None
+            refusal = in_use(tx, r, epoch, live, now_us) if current is not None else None
             if refusal is not None:
                 outcomes.append(refusal)
                 continue
@@ -358,7 +312,7 @@ class Barriers:
                 if upserts:
                     barrier_queries.upsert_pending(tx, job, group, upserts)
                     upserts = []
-                waiting = barrier_queries.pending_ranks(tx, job, group, _LISTED_RANKS)
+                waiting = barrier_queries.pending_ranks(tx, job, group, LISTED_RANKS)
                 outcomes.append(
                     FailedPrecondition(
                         f"rank {r.rank} joined group {group!r} with world size {r.world_size}, "
@@ -481,55 +435,6 @@ class Barriers:
             member_id=r.member_id,
         )
 
-    def _in_use(
-        self,
-        tx: Tx,
-        r: JoinRequest,
-        epoch: int,
-        live: list[queries.EpochLaunch | None],
-        now_us: int,
-    ) -> FailedPrecondition | None:
-        """JOB_IN_USE if `r` would replace epoch `epoch`, live and of another launch (or of an
-        earlier restart of its own); None if it may. `live` caches the epoch's launch."""
-        if r.takeover or not r.launch:
-            return None
-        if not live:
-            live.append(queries.epoch_launch(tx, r.job, r.group, epoch))
-        current = live[0]
-        if current is None or not current.launch:
-            return None
-        if current.launch == r.launch and r.restart_count >= current.restart_count:
-            return None  # the same launch, or a torchelastic restart of it
-        idle_s = max(0.0, (now_us - current.active_us) / 1e6)
-        if idle_s >= LIVE_EPOCH_S:
-            return None
-        peers = queries.member_peers(tx, r.job, r.group, epoch, 4 * _LISTED_RANKS)
-        hosts = sorted({peer_host(p) for p in peers if p})[:_LISTED_RANKS]
-        if current.launch == r.launch:
-            why = (
-                f"restart {r.restart_count} of launch {r.launch!r} is older than restart "
-                f"{current.restart_count}, which formed the group's epoch {epoch}"
-            )
-        else:
-            why = (
-                f"launch {current.launch!r} of job {r.job!r} is using group {r.group!r} "
-                f"(epoch {epoch})"
-            )
-        return FailedPrecondition(
-            f"{why}: its members, on {', '.join(hosts) or 'unknown hosts'}, were active "
-            f"{idle_s:.0f}s ago. Two launches under one job name would both train on one "
-            f"stream; stop that job, use another job name, or pass install(takeover=True) to "
-            f"replace it (its ranks then fail with StaleEpochError). A job idle for "
-            f"{LIVE_EPOCH_S:g}s is replaced without asking",
-            reason=pb.JOB_IN_USE,
-            job=r.job,
-            group=r.group,
-            epoch=epoch,
-            launch=current.launch,
-            hosts=",".join(hosts),
-            idle_s=f"{idle_s:.0f}",
-        )
-
     # ------------------------------------------------------------------------ waking
 
     def _wake(self, group: _Group, result: JoinResult, members: dict[int, str]) -> None:
@@ -542,7 +447,7 @@ class Barriers:
             if members.get(r.rank) == r.member_id:
                 waiter.formed.set_result(result)
             elif waiter.flushed:
-                waiter.formed.set_exception(_formed_without(r, result.epoch))
+                waiter.formed.set_exception(formed_without(r, result.epoch))
 
     async def epoch_formed(self, job: str, group: str, epoch: int) -> None:
         """An epoch of `group` formed in another process: wake this process's waiters in it."""
@@ -577,7 +482,7 @@ class Barriers:
             if members.get(r.rank) == r.member_id:
                 waiter.formed.set_result(result)
             elif current and waiter.flushed and pending.get(r.rank) != r.member_id:
-                waiter.formed.set_exception(_formed_without(r, epoch))
+                waiter.formed.set_exception(formed_without(r, epoch))
             # else: it waits in the next barrier (or its batch is still being written). A late
             # notice of an epoch the group has moved past says nothing of a waiter that is not
             # in it: its pending row may be gone because a newer epoch took it in, whose answer
@@ -610,7 +515,7 @@ class Barriers:
         if cached is not None and cached[1] == world_size and now - cached[0] < 1.0:
             return cached[2], cached[3]
         first, count = await self._read(
-            lambda tx: barrier_queries.missing_ranks(tx, job, group, world_size, _LISTED_RANKS + 1)
+            lambda tx: barrier_queries.missing_ranks(tx, job, group, world_size, LISTED_RANKS + 1)
         )
         self._missing_cache[job, group] = (now, world_size, first, count)
         return first, count
@@ -673,7 +578,7 @@ class Barriers:
         first, missing_count = missing
         if r.rank in first:
             missing_count -= 1
-        listed = [m for m in first if m != r.rank][:_LISTED_RANKS]
+        listed = [m for m in first if m != r.rank][:LISTED_RANKS]
         if audit_timeout:
             self._chain.append(
                 tx,
@@ -699,28 +604,3 @@ class Barriers:
 
 def _same_secret(stored: bytes | None, presented: bytes) -> bool:
     return stored is not None and hmac.compare_digest(stored, presented)
-
-
-def _formed_without(r: JoinRequest, epoch: int) -> FailedPrecondition:
-    return FailedPrecondition(
-        f"epoch {epoch} of group {r.group!r} formed without rank {r.rank} member "
-        f"{r.member_id!r} (another member took the rank, or the join expired); rejoin",
-        reason=pb.NOT_MEMBER,
-        job=r.job,
-        group=r.group,
-        epoch=epoch,
-        rank=r.rank,
-        member_id=r.member_id,
-    )
-
-
-def _never_recorded(tx: Tx, job: str, group: str, kind: str) -> None:
-    """Refuse to create a job or group that the audit chain already records: its rows were
-    deleted from the store, and starting it again would grant its offsets again."""
-    if queries.chain_records(tx, job, group, kind):
-        what = f"job {job!r}" if kind == "job" else f"group {group!r} of job {job!r}"
-        raise StoreLost(
-            f"the audit chain records {what}, but the store has no row of it: its state was "
-            "deleted, and serving it again could grant its offsets twice. Check the store with "
-            "`rngcoord verify`, and restore it from a backup"
-        )

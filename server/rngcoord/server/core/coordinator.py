@@ -26,11 +26,12 @@ from typing import Any, TypeVar
 from rngcoord.server.audit.chain import GENESIS_HASH, Chain, Pages
 from rngcoord.server.clock import Clock, SystemClock
 from rngcoord.server.core.attestations import Attestations
-from rngcoord.server.core.barrier import Barriers, JoinRequest
+from rngcoord.server.core.barrier import Barriers
 from rngcoord.server.core.cache import Cache
 from rngcoord.server.core.context import Context
-from rngcoord.server.core.feed import Feed, FeedRecord
+from rngcoord.server.core.feed import Feed, FeedRecord, log_change
 from rngcoord.server.core.grants import Grants
+from rngcoord.server.core.joins import JoinRequest, check_join
 from rngcoord.server.core.membership import (
     Caller,
     fence,
@@ -49,13 +50,8 @@ from rngcoord.server.logs import event, get_logger
 from rngcoord.server.storage import queries
 from rngcoord.server.storage.store import ReadAhead, Store, StoreLost, StoreRewound, Tx, row_reader
 from rngcoord.v1.rules import (
-    check_cursor,
-    check_member_id,
-    check_member_secret,
     check_name,
     check_rank,
-    check_u64,
-    check_world_size,
 )
 from rngcoord.v1.types import AuditRecord, GroupInfo, JoinResult, Lease, RestoreResult
 
@@ -68,7 +64,6 @@ _log = get_logger("coordinator")
 # at about 1.7 KB of Python objects per record: 32 keep an unread stream near 100 KB all told,
 # and cost a reader round trip per 32 records to a stream that is read.
 _AUDIT_PAGE = 32
-_MAX_LAUNCH = 256
 MEMBERS_PAGE = 1024
 """Members GetGroup returns when the request sets no limit."""
 MAX_MEMBERS_PAGE = 65536
@@ -364,7 +359,7 @@ class Coordinator:
     def _on_change(self, record: FeedRecord) -> None:
         """A change committed by any process (this one included) that a hit or join must see."""
         if self._log_changes:
-            _log_change(record)
+            log_change(record)
         key = (record.job, record.group)
         if record.kind == "leave":
             self._cache.members.drop(
@@ -443,22 +438,17 @@ class Coordinator:
             PermissionDenied: BAD_CREDENTIAL, a retried join with another secret.
             JoinTimeout: the other ranks did not all join in time; names the missing ranks.
         """
-        with fields():
-            check_name("job", job)
-            check_name("group", group)
-            check_world_size(world_size)
-            check_rank(rank, world_size)
-            check_member_id(member_id)
-            check_member_secret(member_secret)
-            if job_seed is not None:
-                check_u64("job_seed", job_seed)
-            check_cursor(position, "position")
-            if len(launch) > _MAX_LAUNCH:
-                raise InvalidArgument(
-                    f"launch is {len(launch)} characters long; at most {_MAX_LAUNCH}",
-                    field="launch",
-                    value=repr(launch[:64]),
-                )
+        check_join(
+            job,
+            group,
+            rank=rank,
+            world_size=world_size,
+            member_id=member_id,
+            member_secret=member_secret,
+            job_seed=job_seed,
+            position=position,
+            launch=launch,
+        )
         request = JoinRequest(
             job=job,
             group=group,
@@ -676,46 +666,3 @@ class Coordinator:
             for record in page:
                 yield record
             pages.took(page)
-
-
-def _log_change(record: FeedRecord) -> None:
-    """The log line of a group event, from its audit record."""
-    d = record.detail
-    where: dict[str, Any] = {"job": record.job, "group": record.group, "epoch": d.get("epoch")}
-    if record.kind == "epoch":
-        event(
-            _log,
-            logging.INFO,
-            "group_formed",
-            **where,
-            world_size=d.get("world_size"),
-            start=d.get("start"),
-            waited_s=d.get("waited_s"),
-        )
-        if int(d.get("previous_epoch") or 0) > 0:
-            event(_log, logging.INFO, "epoch_replaced", **where, replaced=d["previous_epoch"])
-    elif record.kind == "divergence":
-        at = {k: d[k] for k in ("seq", "anchor_seq", "ops") if k in d}
-        event(_log, logging.WARNING, "divergence", **where, **at, rank=d.get("rank"))
-    elif record.kind == "restore":
-        event(
-            _log,
-            logging.INFO,
-            "restore",
-            **where,
-            seq=d.get("seq"),
-            cursor=d.get("cursor"),
-            forced=d.get("forced"),
-            votes=d.get("votes"),
-        )
-    elif record.kind == "leave":
-        event(_log, logging.INFO, "leave", **where, rank=d.get("rank"))
-    elif record.kind == "resize":
-        event(
-            _log,
-            logging.WARNING,
-            "resize",
-            **where,
-            saved_group=d.get("saved_group"),
-            saved_cursor=d.get("saved_cursor"),
-        )

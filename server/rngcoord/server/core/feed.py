@@ -34,7 +34,14 @@ from rngcoord.server.logs import event, get_logger
 from rngcoord.server.storage import queries
 from rngcoord.server.storage.store import Tx
 
-__all__ = ["FEED_KINDS", "Feed", "FeedRecord", "NotifyingStore", "VersionedStore"]
+__all__ = [
+    "FEED_KINDS",
+    "Feed",
+    "FeedRecord",
+    "NotifyingStore",
+    "VersionedStore",
+    "log_change",
+]
 
 T = TypeVar("T")
 
@@ -44,6 +51,7 @@ changes nothing but is logged (rngcoord.server.core.coordinator logs every kind 
 
 _PAGE = 2000
 _log = get_logger("feed")
+_changes_log = get_logger("coordinator")
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,3 +198,49 @@ def _page(tx: Tx, after_id: int) -> tuple[tuple[int, str], list[tuple[int, str, 
     # to it even when none of them is of a feed kind.
     head = queries.audit_head(tx)
     return head, queries.audit_feed(tx, after_id, FEED_KINDS, _PAGE)
+
+
+def log_change(record: FeedRecord) -> None:
+    """The log line of a group event, from its audit record, under the coordinator's logger
+    (one process of a server logs them: the Coordinator's `log_changes`)."""
+    d = record.detail
+    where: dict[str, Any] = {"job": record.job, "group": record.group, "epoch": d.get("epoch")}
+    if record.kind == "epoch":
+        event(
+            _changes_log,
+            logging.INFO,
+            "group_formed",
+            **where,
+            world_size=d.get("world_size"),
+            start=d.get("start"),
+            waited_s=d.get("waited_s"),
+        )
+        if int(d.get("previous_epoch") or 0) > 0:
+            event(
+                _changes_log, logging.INFO, "epoch_replaced", **where, replaced=d["previous_epoch"]
+            )
+    elif record.kind == "divergence":
+        at = {k: d[k] for k in ("seq", "anchor_seq", "ops") if k in d}
+        event(_changes_log, logging.WARNING, "divergence", **where, **at, rank=d.get("rank"))
+    elif record.kind == "restore":
+        event(
+            _changes_log,
+            logging.INFO,
+            "restore",
+            **where,
+            seq=d.get("seq"),
+            cursor=d.get("cursor"),
+            forced=d.get("forced"),
+            votes=d.get("votes"),
+        )
+    elif record.kind == "leave":
+        event(_changes_log, logging.INFO, "leave", **where, rank=d.get("rank"))
+    elif record.kind == "resize":
+        event(
+            _changes_log,
+            logging.WARNING,
+            "resize",
+            **where,
+            saved_group=d.get("saved_group"),
+            saved_cursor=d.get("saved_cursor"),
+        )
