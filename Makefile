@@ -92,6 +92,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/coordinator.py --quick
 	$(BIN)/python bench/tracker.py
 	$(BIN)/python bench/portable.py
+	$(BIN)/python bench/heal.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

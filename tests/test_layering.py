@@ -10,6 +10,8 @@ stays out of sys.modules.
 from __future__ import annotations
 
 import ast
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -53,11 +55,14 @@ def test_imports_follow_the_layers(root: str) -> None:
 
 
 def test_server_package_loads_without_torch() -> None:
+    # Every module, subpackages included (rngcoord.server.core.coordinator, ...).
+    top = ROOT / "server"
     modules = sorted(
-        "rngcoord.server." + p.stem
-        for p in (ROOT / "server" / "rngcoord" / "server").glob("*.py")
+        ".".join(p.relative_to(top).with_suffix("").parts)
+        for p in (top / "rngcoord" / "server").rglob("*.py")
         if p.stem != "__init__"
     )
+    assert "rngcoord.server.core.coordinator" in modules
     code = (
         "import importlib, sys\n"
         f"for name in {modules!r}:\n"
@@ -87,3 +92,25 @@ def test_the_torchft_integration_never_imports_torchft() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr or "importing rngcoord.client loaded torchft"
+
+
+@pytest.mark.slow
+def test_lint_imports_names_the_contract_a_wrong_import_breaks(tmp_path: Path) -> None:
+    # make lint runs the contracts on the tree; here one wrong import is written into a copy
+    # of the server (the rules importing grpc), to see that they catch it and say which.
+    for part in ("server", "proto"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    with (tmp_path / "server" / "rngcoord" / "server" / "core" / "seeds.py").open("a") as f:
+        f.write("import grpc  # the wrong import\n")
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("lint-imports")), "--config", "pyproject.toml"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path / 'server'}{os.pathsep}{tmp_path / 'proto'}"},
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode != 0, result.stdout
+    assert "2 kept, 1 broken" in result.stdout, result.stdout
+    assert "The rules (core) never import a transport" in result.stdout
+    assert "rngcoord.server.core.seeds -> grpc" in result.stdout
