@@ -127,8 +127,10 @@ def expected_requests(
 
 
 @pytest.fixture
-def client(coordinator: Any) -> Any:
-    with CoordinatorClient(coordinator.address) as c:
+def client(module_coordinator: Any) -> Any:
+    # The tests share one coordinator, each in jobs of its own; the one that stops the
+    # coordinator has its own.
+    with CoordinatorClient(module_coordinator.address) as c:
         yield c
 
 
