@@ -1,4 +1,5 @@
-"""README's `rngcoord serve` flag table against the real `rngcoord serve --help`.
+"""README's `rngcoord serve` flag table against the real `rngcoord serve --help`, and every
+relative link in README.md, examples/README.md and docs/ resolving to a file and heading.
 
 Every flag in one is in the other; each flag's environment variable is the same in both; and
 where both give a default as one word (a number, an address, `off`), it is the same word.
@@ -99,3 +100,32 @@ def test_one_word_defaults_agree(tables: tuple[dict[str, Row], dict[str, Row]]) 
     assert len(compared) >= 10, compared
     wrong = {flag: pair for flag, pair in compared.items() if pair[0] != pair[1]}
     assert wrong == {}, "flag: (README, --help)"
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _anchors(markdown: Path) -> set[str]:
+    """GitHub's anchors of a file's headings: lower case, punctuation dropped, spaces as -."""
+    anchors = set()
+    for line in markdown.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+def test_every_relative_link_in_the_docs_resolves() -> None:
+    pages = [ROOT / "README.md", ROOT / "examples" / "README.md", *sorted(ROOT.glob("docs/*.md"))]
+    broken = []
+    for page in pages:
+        for target in LINK.findall(page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page
+            if not resolved.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert broken == []

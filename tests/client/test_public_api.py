@@ -1,0 +1,72 @@
+"""rngcoord.client's public face, pinned (as httpx's tests/test_exported_members.py does): the
+names users import, each documented, and one exception hierarchy. A change here is a change
+to every training script that uses rngcoord: make it on purpose."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import rngcoord.client as client
+from rngcoord.client import RNGCoordError
+
+PUBLIC = [
+    "SUPPORTED_TORCH",
+    "AuthenticationError",
+    "CoordinatorClient",
+    "CoordinatorUnavailable",
+    "DivergenceError",
+    "FailedPreconditionError",
+    "InvalidRequest",
+    "JoinTimeoutError",
+    "LeaseManager",
+    "NotFoundError",
+    "NotMemberError",
+    "OffsetBasedRNGTracker",
+    "OffsetsExhausted",
+    "PermissionDeniedError",
+    "RNGCoordError",
+    "RNGStateTracker",
+    "RestoreTimeoutError",
+    "StaleEpochError",
+    "StoreMismatchError",
+    "UnsupportedTorchError",
+    "init_mesh",
+    "install",
+]
+
+
+def test_the_public_names_are_these() -> None:
+    assert client.__all__ == PUBLIC
+    assert all(hasattr(client, name) for name in PUBLIC)
+
+
+def test_every_public_class_and_function_is_documented() -> None:
+    undocumented = [
+        name
+        for name in PUBLIC
+        if (inspect.isclass(obj := getattr(client, name)) or inspect.isfunction(obj))
+        and not (inspect.getdoc(obj) or "").strip()
+    ]
+    assert undocumented == []
+    # The one constant is named in the package's docstring.
+    assert ":data:`SUPPORTED_TORCH`" in (client.__doc__ or "")
+
+
+def test_every_public_error_is_an_rngcoord_error() -> None:
+    errors = [
+        getattr(client, name)
+        for name in PUBLIC
+        if inspect.isclass(getattr(client, name)) and issubclass(getattr(client, name), Exception)
+    ]
+    assert len(errors) == 15
+    assert all(issubclass(error, RNGCoordError) for error in errors)
+
+
+def test_importing_the_client_does_not_load_the_demo() -> None:
+    # Every rank imports the client; the demo is for `rngcoord demo` alone. (torchft stays
+    # out too: tests/test_layering.py.)
+    code = "import sys, rngcoord.client\nsys.exit('rngcoord.client.demo' in sys.modules)\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
