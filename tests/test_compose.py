@@ -1,4 +1,5 @@
-"""The compose files resolve, under a real docker-compose, to the stack that README documents.
+"""The compose files resolve, under a real docker-compose, to the stack that
+docs/containers.md documents.
 
 docker-compose.yml holds the coordinators and the CPU trainer; docker-compose.gpu.yml adds the
 GPU trainer (`-f docker-compose.yml -f docker-compose.gpu.yml`). CI installs Debian's
