@@ -91,6 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--min-replicas", type=int, default=1, help="the fewest replicas a step commits with"
     )
     ft.add_argument(
+        "--async-quorum",
+        action="store_true",
+        help="compute each step's quorum while the step runs (torchft's use_async_quorum): "
+        "a heal then lands in should_commit, after the healing step drew",
+    )
+    ft.add_argument(
         "--advertise",
         default=socket.gethostname(),
         help="the host name peers reach this replica's manager and state at",
@@ -175,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         load_state_dict=lambda weights: load_local_weights(model, weights),
         state_dict=lambda: local_weights(model),
         min_replica_size=args.min_replicas,
-        use_async_quorum=False,
+        use_async_quorum=args.async_quorum,
         replica_id=f"train_torchft_{args.replica}",
         lighthouse_addr=args.lighthouse,
         hostname=args.advertise,
@@ -205,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
             assert p.grad is not None
             manager.allreduce(p.grad.to_local()).wait()
         committed = manager.should_commit()  # false: the step is redone, with the same masks
+        # The step this was: under the asynchronous quorum a heal sets the step only now.
+        step = manager.current_step() - 1 if committed else manager.current_step()
         if committed:
             optimizer.step()
         loss_value = loss.full_tensor().item()

@@ -726,10 +726,16 @@ def torchft_attach(ctx: Ctx) -> dict[str, Any]:
     refused("after_first_op", lambda: attach(manager("drawn"), drawn))
     drawn.close()
 
+    later = install(mesh, addr, job=f"{job}-async", seed=5, lease_size=64, replica="0")
+    out["asynchronous"] = [
+        attach(manager("async", use_async_quorum=True), later).asynchronous,
+    ]
+    later.close()
+
     tracker = install(mesh, addr, job=job, seed=5, lease_size=64, replica="0")
-    refused("async_quorum", lambda: attach(manager("async", use_async_quorum=True), tracker))
     sync = manager("0")
     ft = attach(sync, tracker)
+    out["asynchronous"].append(ft.asynchronous)
     refused("twice", lambda: attach(sync, tracker))
     before = tracker.state_dict()["streams"]
     tag = next(iter(sent["tracker"]["streams"]))

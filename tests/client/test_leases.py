@@ -405,3 +405,25 @@ def test_attestation_strides_follow_the_rate_and_still_meet(client: CoordinatorC
     finally:
         for manager in group:
             manager.close(leave=False)
+
+
+def test_recorded_ops_replay_onto_another_position_as_the_ops_moved_the_stream(
+    client: CoordinatorClient,
+) -> None:
+    # rngcoord.client.torchft replays a step's recorded ops onto a peer's position: the
+    # cursor moves by their sizes and the fingerprint chain by their keys, as advance() does.
+    (manager,) = managers(client, "recorded", "g", 64, world=1)
+    manager.advance(16, b"before")
+    assert manager.recorded_ops() == []
+    manager.record_ops()
+    start_cursor, start_digest = manager.cursor, manager.digest
+    for key, size in OPS[:5]:
+        manager.advance(size, key)
+    assert manager.recorded_ops() == [(size, key) for key, size in OPS[:5]]
+    cursor, digest = start_cursor, start_digest
+    for size, key in manager.recorded_ops():
+        cursor, digest = cursor + size, hashlib.sha256(digest + key).digest()
+    assert (cursor, digest) == (manager.cursor, manager.digest)
+    manager.record_ops()  # starts over
+    assert manager.recorded_ops() == []
+    manager.close()

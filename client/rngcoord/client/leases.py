@@ -360,6 +360,8 @@ class LeaseManager:
         self._generation = 0
         self._fatal: RNGCoordError | None = None
         self._recent: deque[bytes] = deque(maxlen=_RECENT_OPS)
+        # (size, op key) of each op since record_ops(); None while not recording.
+        self._recorded: list[tuple[int, bytes]] | None = None
         # The fixed leases: seq of the first, and the start of each, with the end of the
         # last; lease seqs[i] covers [starts[i], starts[i + 1]) (the last ends at `_next_start`).
         # `_plans` holds the size and fingerprint of each fixed lease.
@@ -418,6 +420,16 @@ class LeaseManager:
         """Random ops drawn since the stream's anchor: its join, or its latest Restore."""
         return self._ops
 
+    def record_ops(self) -> None:
+        """Keep the size and op key of every op from now on (a later call starts over), for
+        :meth:`recorded_ops`: rngcoord.client.torchft replays a step's ops onto a peer's
+        position when a heal lands after the step drew."""
+        self._recorded = []
+
+    def recorded_ops(self) -> list[tuple[int, bytes]]:
+        """(size, op key) of each op since :meth:`record_ops`, oldest first."""
+        return list(self._recorded or ())
+
     @property
     def state(self) -> StreamState:
         """Where the stream stands, for a checkpoint."""
@@ -442,6 +454,8 @@ class LeaseManager:
         self._digest = digest
         self._largest_op = largest
         self._recent.append(op_key)
+        if self._recorded is not None:
+            self._recorded.append((size, op_key))
         # Ops that draw nothing are in the fingerprint but not counted: every counted op then
         # draws at least 4 offsets, which is how the coordinator bounds an attested count
         # by the leases granted (docs/design.md §6.1).

@@ -7,7 +7,7 @@ registered with ``Manager.register_state_dict_fn``, and it rejoins at the curren
 torchft does nothing about random numbers. :func:`attach` adds the tracker's part::
 
     tracker = install(mesh, target, job, replica=os.environ["REPLICA_GROUP_ID"])
-    manager = Manager(pg=ProcessGroupGloo(), ..., use_async_quorum=False)
+    manager = Manager(pg=ProcessGroupGloo(), ...)
     attach(manager, tracker)          # once, before the first random op
     optimizer = OptimizerWrapper(manager, optimizer)
 
@@ -16,6 +16,14 @@ torchft does nothing about random numbers. :func:`attach` adds the tracker's par
   own) at the peer's position: both ran the same ops up to this step, so that is where its
   streams would stand had it never left. Its masks from the heal on are bit for bit those of
   a run without the failure. Each restore is a Restore of the replica's group, audited.
+- **Either quorum.** With ``use_async_quorum=False`` the peer's state arrives in
+  ``start_quorum``, before the step draws. With the asynchronous quorum (torchft's default)
+  it arrives in ``should_commit``, after the healing step drew from where the new process
+  stood, and the peer sends it while its own step runs: the peer sends where its step began,
+  and the healing replica replays the ops of its step (the same ops: the same model at the
+  same step) onto that position. Either way, from the step after the heal on, the healed
+  replica draws what it would have. (Under the asynchronous quorum the healing step itself
+  trains on nothing: torchft zeroes that replica's gradients for it.)
 - **A step that does not commit is redrawn.** When ``should_commit()`` is false the step is
   redone; the tracker rewinds every stream the step moved to where the step began (a Restore
   each, voted by the replica's ranks, which all see the same verdict), so the redone step
@@ -27,6 +35,7 @@ This module never imports torchft: it calls the Manager's public methods only, a
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 import weakref
@@ -78,23 +87,51 @@ class Attachment:
         """Peer states loaded (heals of this replica)."""
         self.rewinds = 0
         """Steps whose commit failed and whose streams were rewound."""
+        self.asynchronous = bool(getattr(manager, "_use_async_quorum", False))
+        """Whether the Manager runs its quorum asynchronously (torchft's
+        ``use_async_quorum``, read from the Manager: it has no public accessor)."""
         self._mark: dict[str, Any] | None = None
 
     # -- what the Manager calls ----------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """What a peer sends a healing replica: this replica's name, its step, and the
-        tracker's state."""
+        tracker's state where the step began (under the asynchronous quorum torchft calls
+        this from its quorum thread while the step's ops draw)."""
+        mark = self._mark if self.asynchronous else None
         return {
             "replica": self.tracker.replica,
             "step": self.manager.current_step(),
-            "tracker": self.tracker.state_dict(),
+            "tracker": mark if mark is not None else self.tracker.state_dict(),
         }
 
     def load_state_dict(self, sent: Mapping[str, Any]) -> None:
         """Continue this replica's own groups where the peer's groups stand."""
-        self.tracker.load_state_dict(self.translate(sent))
+        start = self.translate(sent)
+        if self.asynchronous and self._mark is not None:
+            # In should_commit, after this step drew: the peer's position is where its step
+            # began, and this step ran the same ops, so they are replayed onto it. A commit
+            # that fails redoes the step from the peer's position.
+            self.tracker.load_state_dict(self._replayed(start))
+            self._mark = start
+        else:
+            self.tracker.load_state_dict(start)
         self.heals += 1
+
+    def _replayed(self, start: dict[str, Any]) -> dict[str, Any]:
+        """``start`` moved on by the ops this process drew since :meth:`mark`, as each op
+        moves a stream: its cursor by the op's size, its fingerprint chain by the op's key."""
+        streams = {}
+        for tag, entry in start["streams"].items():
+            lease = self.tracker.leases.get(tag)
+            cursor, digest = entry["offset"], entry["digest"]
+            largest = entry.get("largest_op", 0)
+            for size, key in lease.recorded_ops() if lease is not None else ():
+                cursor += size
+                digest = hashlib.sha256(digest + key).digest()
+                largest = max(largest, size)
+            streams[tag] = {**entry, "offset": cursor, "digest": digest, "largest_op": largest}
+        return {**start, "streams": streams}
 
     def translate(self, sent: Mapping[str, Any]) -> dict[str, Any]:
         """The peer's tracker state as this replica's: each ``<group>/replica:<peer>`` stream
@@ -141,8 +178,12 @@ class Attachment:
     # -- the step ------------------------------------------------------------------------
 
     def mark(self) -> None:
-        """Where this step begins (after the quorum, and any heal, of ``start_quorum``)."""
+        """Where this step begins: after the quorum, and any heal, of a synchronous
+        ``start_quorum``; before an asynchronous one (whose heal comes later), from when the
+        step's ops are recorded."""
         self._mark = self.tracker.state_dict()
+        if self.asynchronous:
+            self.tracker.record_ops()
 
     def rewind(self) -> None:
         """Put every stream the uncommitted step moved back where the step began."""
@@ -173,25 +214,19 @@ def attach(manager: Manager, tracker: OffsetBasedRNGTracker) -> Attachment:
     (to rewind the streams of a step that did not commit).
 
     Args:
-        manager: this replica's ``torchft.Manager``, built with ``use_async_quorum=False``.
+        manager: this replica's ``torchft.Manager`` (either quorum).
         tracker: this rank's tracker from :func:`rngcoord.client.install`, with ``replica``
             set (or REPLICA_GROUP_ID in the environment).
 
     Raises:
         InvalidRequest: the tracker or the manager is attached already; the tracker has
-            drawn random numbers already; the tracker has no replica; or the manager runs
-            its quorum asynchronously (not supported yet).
+            drawn random numbers already; or the tracker has no replica.
     """
     if tracker.replica is None:
         raise InvalidRequest(
             "attach() needs a tracker of a replica: install(..., replica=NAME), or set "
             "REPLICA_GROUP_ID as torchft's launchers do, so that each replica draws from "
             "groups of its own"
-        )
-    if getattr(manager, "_use_async_quorum", False):
-        raise InvalidRequest(
-            "attach() supports torchft.Manager(use_async_quorum=False) only: with an "
-            "asynchronous quorum a heal lands after the step's random ops have drawn"
         )
     drawn = sorted(tag for tag, lease in tracker.leases.items() if lease.ops)
     if drawn:
@@ -218,8 +253,13 @@ def _wrap(manager: Manager, attachment: Attachment) -> None:
     start_quorum, should_commit = manager.start_quorum, manager.should_commit
 
     def start(*args: Any, **kwargs: Any) -> None:
-        start_quorum(*args, **kwargs)
-        attachment.mark()
+        if attachment.asynchronous:
+            # The quorum thread may send this replica's state as soon as it starts.
+            attachment.mark()
+            start_quorum(*args, **kwargs)
+        else:
+            start_quorum(*args, **kwargs)  # may heal this replica
+            attachment.mark()
 
     def commit(*args: Any, **kwargs: Any) -> bool:
         committed = should_commit(*args, **kwargs)

@@ -1000,6 +1000,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         self._job_seed = seed
         self._owns_client = owns_client
         self._managers: dict[str, LeaseManager] = {}
+        self._recording = False  # record_ops(): groups joined from now on record too
         self._pending: dict[str, dict[str, Any]] = {}
         # The job whose state a pending stream came from, where not this one (audited).
         self._pending_from: dict[str, str] = {}
@@ -1156,6 +1157,8 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         )
         self._managers[group.name] = manager
         self._streams[group.name] = manager
+        if self._recording:
+            manager.record_ops()
         self._record_resizes()
         return manager
 
@@ -1261,6 +1264,13 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
             # Meshes map to the scope's groups from now on.
             self._groups.clear()
             self._plans.clear()
+
+    def record_ops(self) -> None:
+        """Record every group's ops from now on, those of groups joined later included (a
+        later call starts over): :meth:`LeaseManager.recorded_ops` of ``leases[group]``."""
+        self._recording = True
+        for manager in self._managers.values():
+            manager.record_ops()
 
     def state_dict(self) -> dict[str, Any]:
         """The position of every group: ``{"format", "job", "job_seed", "store_id",
