@@ -45,37 +45,15 @@ from torchft.process_group import ProcessGroupGloo
 
 from rngcoord.client import init_mesh, install
 from rngcoord.client.torchft import attach
-from train_tp import MaskRecorder, build_model, synthetic_batch
+from train_tp import MaskRecorder, add_coordinator_args, build_model, synthetic_batch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    env_seed = os.environ.get("RNGCOORD_SEED")
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    coord = parser.add_argument_group("rngcoord")
-    coord.add_argument(
-        "--addr",
-        default=os.environ.get("RNGCOORD_ADDR"),
-        help="coordinator targets (env RNGCOORD_ADDR; unset: localhost:29520)",
-    )
-    coord.add_argument(
-        "--job",
-        default=os.environ.get("RNGCOORD_JOB", "train-torchft"),
-        help="job name, the same for every replica (env RNGCOORD_JOB)",
-    )
-    coord.add_argument(
-        "--token",
-        default=os.environ.get("RNGCOORD_TOKEN"),
-        help="bearer token (env RNGCOORD_TOKEN)",
-    )
-    coord.add_argument(
-        "--seed",
-        type=int,
-        default=int(env_seed) if env_seed else None,
-        help="the job's root seed (env RNGCOORD_SEED)",
-    )
+    add_coordinator_args(parser, "train-torchft", "job name, the same for every replica")
     ft = parser.add_argument_group("torchft")
     ft.add_argument(
         "--replica",
@@ -121,6 +99,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         metavar="S",
         help="sleep S seconds per step, standing in for a real model's compute",
+    )
+    testing.add_argument(
+        "--fail-commit-at-step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="report an error in the first attempt of step N, so that it does not commit and "
+        "is redone (give it to every replica: a replica that redoes a step alone falls behind "
+        "and heals)",
     )
     testing.add_argument(
         "--hold-while",
@@ -177,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     x, target = synthetic_batch(args, mesh)
     recorder = MaskRecorder(model)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)),
         load_state_dict=lambda weights: load_local_weights(model, weights),
         state_dict=lambda: local_weights(model),
         min_replica_size=args.min_replicas,
@@ -185,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         replica_id=f"train_torchft_{args.replica}",
         lighthouse_addr=args.lighthouse,
         hostname=args.advertise,
-        timeout=timedelta(seconds=10),
+        timeout=timedelta(seconds=30),
         quorum_timeout=timedelta(seconds=60),
     )
     # Before the first random op: a heal then carries this replica's stream position too.
@@ -196,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         record_dir.mkdir(parents=True, exist_ok=True)
         (record_dir / "pid").write_text(str(os.getpid()))
 
+    failed_once = False
     while manager.current_step() < args.steps:
         while args.hold_while is not None and args.hold_while.exists():
             time.sleep(0.05)
@@ -206,6 +194,9 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.zero_grad()
         loss = ((model(x) - target) ** 2).mean()
         loss.backward()
+        if step == args.fail_commit_at_step and not failed_once:
+            failed_once = True
+            manager.report_error(RuntimeError(f"--fail-commit-at-step {step}"))
         # Average each shard's gradient with the same shard of the other replicas.
         for p in model.parameters():
             assert p.grad is not None

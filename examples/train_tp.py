@@ -58,12 +58,11 @@ from rngcoord.client.tracker import resize_message
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def add_coordinator_args(
+    parser: argparse.ArgumentParser, job: str, job_help: str = "job name"
+) -> argparse._ArgumentGroup:
+    """--addr, --job, --token and --seed, with their RNGCOORD_* environment defaults."""
     env_seed = os.environ.get("RNGCOORD_SEED")
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
     coord = parser.add_argument_group("coordinator")
     coord.add_argument(
         "--addr",
@@ -72,8 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     coord.add_argument(
         "--job",
-        default=os.environ.get("RNGCOORD_JOB", "train-tp"),
-        help="job name (env RNGCOORD_JOB)",
+        default=os.environ.get("RNGCOORD_JOB", job),
+        help=f"{job_help} (env RNGCOORD_JOB)",
     )
     coord.add_argument(
         "--token",
@@ -86,6 +85,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=int(env_seed) if env_seed else None,
         help="the job's root seed (env RNGCOORD_SEED; unset: the coordinator draws one)",
     )
+    return coord
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    coord = add_coordinator_args(parser, "train-tp")
     coord.add_argument(
         "--policy",
         choices=("offsets", "sharding_invariant"),
