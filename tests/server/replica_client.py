@@ -15,7 +15,9 @@ error on stderr) when any call failed.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import signal
 import sys
 import threading
 import uuid
@@ -80,6 +82,9 @@ def main() -> int:
     parser.add_argument("--stop", type=Path, required=True, help="stop once this file exists")
     args = parser.parse_args()
 
+    # A storm that stalls asks for every thread's stack (Storm.diagnostics): where a member
+    # waits tells a slow machine from a call that never returns.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     targets = args.targets.split(",")
     failures: list[BaseException] = []
 

@@ -5,6 +5,7 @@ leases from coordinator replicas until told to stop, and the checks of what they
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -75,7 +76,8 @@ class Storm:
                 return
             dead = [p.args for p in self.processes if p.poll() is not None]
             assert not dead, f"a client exited early: {self.diagnostics()}"
-            assert time.monotonic() < deadline, f"no progress: {counts}; {self.diagnostics()}"
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"no progress: {counts}; {self.diagnostics(stacks=True)}")
             time.sleep(0.05)
 
     def finish(self, *, clean: bool = True) -> list[dict[str, Any]]:
@@ -101,8 +103,20 @@ class Storm:
                 process.kill()
                 process.wait()
 
-    def diagnostics(self) -> str:
-        return "\n".join(f"client {p}: {e.read_text()[-2000:]}" for p, e in enumerate(self.errors))
+    def diagnostics(self, *, stacks: bool = False) -> str:
+        """Each client's stderr; with `stacks`, after asking the live ones for every thread's
+        stack, and with the tail of each coordinator's log."""
+        if stacks:
+            for process in self.processes:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)  # faulthandler writes at once; let the files catch up
+        limit = 6000 if stacks else 2000
+        parts = [f"client {p}: {e.read_text()[-limit:]}" for p, e in enumerate(self.errors)]
+        if stacks:
+            for name, replica in zip("AB", self.replicas, strict=False):
+                parts.append(f"coordinator {name}: {replica.output()[-3000:]}")
+        return "\n".join(parts)
 
 
 def check_agreement(
