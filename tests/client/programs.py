@@ -726,6 +726,29 @@ def torchft_attach(ctx: Ctx) -> dict[str, Any]:
     refused("after_first_op", lambda: attach(manager("drawn"), drawn))
     drawn.close()
 
+    # Replica 0 at the same step (0) as the peer's state, having drawn other ops (two of 16
+    # elements against three of 8): refused, nothing restored.
+    other = install(mesh, addr, job=job, seed=5, lease_size=64, replica="0")
+    other_ft = attach(manager("other"), other)
+    for _ in range(2):
+        dt.rand((16,), device_mesh=mesh, placements=[Shard(0)])
+    other_ft.mark()
+    other_before = other.state_dict()["streams"]
+    refused("other_ops", lambda: other_ft.load_state_dict(sent))
+    out["other_ops_unchanged"] = (
+        other.state_dict()["streams"] == other_before and other_ft.heals == 0
+    )
+    other.close()
+    # Having drawn the peer's three ops at the same step: checked, and healed.
+    same = install(mesh, addr, job=job, seed=5, lease_size=64, replica="0")
+    same_ft = attach(manager("same"), same)
+    for _ in range(3):
+        draw()
+    same_ft.mark()
+    same_ft.load_state_dict(sent)
+    out["same_ops_heals"] = same_ft.heals
+    same.close()
+
     later = install(mesh, addr, job=f"{job}-async", seed=5, lease_size=64, replica="0")
     out["asynchronous"] = [
         attach(manager("async", use_async_quorum=True), later).asynchronous,

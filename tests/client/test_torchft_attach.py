@@ -67,6 +67,19 @@ def test_a_peer_state_that_is_not_this_jobs_replica_restores_nothing(
     assert attached["unchanged"] is True
 
 
+def test_a_peer_that_drew_other_ops_is_refused(attached: dict[str, Any]) -> None:
+    """A replica that heals with streams drawn already compares its fingerprint chains at its
+    step boundary with the peer's at that step: other ops are refused, restoring nothing; the
+    same ops heal."""
+    message = attached["other_ops"]
+    assert message is not None, "a peer that drew other ops was restored"
+    assert "drew other ops than this replica up to step 0" in message
+    assert f"{TAG0!r} differ" in message
+    assert message.endswith("nothing was restored")
+    assert attached["other_ops_unchanged"] is True
+    assert attached["same_ops_heals"] == 1
+
+
 def test_a_heal_continues_this_replicas_group_at_the_peers_position(
     attached: dict[str, Any],
 ) -> None:

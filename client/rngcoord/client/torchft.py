@@ -24,6 +24,12 @@ torchft does nothing about random numbers. :func:`attach` adds the tracker's par
   same step) onto that position. Either way, from the step after the heal on, the healed
   replica draws what it would have. (Under the asynchronous quorum the healing step itself
   trains on nothing: torchft zeroes that replica's gradients for it.)
+- **A peer that ran other ops is refused.** Each replica keeps where its streams stood at its
+  last step boundaries (the fingerprint chain of every op drawn, which names each op and its
+  shape, not its seed), and sends them with its state. A replica that heals with streams
+  already drawn checks that the peer's chain at its own step equals its own, and refuses the
+  state otherwise: a replica that ran other code would draw other masks from the restored
+  position, silently. A new process has drawn nothing to check.
 - **A step that does not commit is redrawn.** When ``should_commit()`` is false the step is
   redone; the tracker rewinds every stream the step moved to where the step began (a Restore
   each, voted by the replica's ranks, which all see the same verdict), so the redone step
@@ -39,6 +45,7 @@ import hashlib
 import re
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -48,10 +55,14 @@ from rngcoord.client.leases import INITIAL_DIGEST
 from rngcoord.client.tracker import OffsetBasedRNGTracker, scoped_name
 from rngcoord.v1.seeds import group_seed
 
-__all__ = ["STATE_KEY", "Attachment", "attach"]
+__all__ = ["HISTORY_STEPS", "STATE_KEY", "Attachment", "attach"]
 
 STATE_KEY = "rngcoord"
 """The key under which :func:`attach` registers the tracker with the Manager."""
+
+HISTORY_STEPS = 64
+"""How many step boundaries a replica keeps, and sends, for a healing peer's check: a replica
+that heals after falling further behind than this is not checked."""
 
 _NAME = re.compile(r"(?P<base>.+)/replica:(?P<replica>[A-Za-z0-9._-]+)(?:/seed:(?P<scope>\d+))?")
 
@@ -91,6 +102,10 @@ class Attachment:
         """Whether the Manager runs its quorum asynchronously (torchft's
         ``use_async_quorum``, read from the Manager: it has no public accessor)."""
         self._mark: dict[str, Any] | None = None
+        # Where the streams stood at this replica's latest step boundary, and at the ones
+        # before it: {step: {tag: digest}}, the newest last.
+        self._boundary: tuple[int, dict[str, bytes]] | None = None
+        self._history: OrderedDict[int, dict[str, bytes]] = OrderedDict()
 
     # -- what the Manager calls ----------------------------------------------------------
 
@@ -99,15 +114,24 @@ class Attachment:
         tracker's state where the step began (under the asynchronous quorum torchft calls
         this from its quorum thread while the step's ops draw)."""
         mark = self._mark if self.asynchronous else None
+        step = self.manager.current_step()
+        state = mark if mark is not None else self.tracker.state_dict()
         return {
             "replica": self.tracker.replica,
-            "step": self.manager.current_step(),
-            "tracker": mark if mark is not None else self.tracker.state_dict(),
+            "step": step,
+            "tracker": state,
+            "history": {**self._history, step: _digests(state)},
         }
 
     def load_state_dict(self, sent: Mapping[str, Any]) -> None:
-        """Continue this replica's own groups where the peer's groups stand."""
+        """Continue this replica's own groups where the peer's groups stand.
+
+        Raises:
+            InvalidRequest: as :meth:`translate`; or the peer's streams, at this replica's
+                latest step boundary, had drawn other ops than this replica's.
+        """
         start = self.translate(sent)
+        self._check_same_ops(sent)
         if self.asynchronous and self._mark is not None:
             # In should_commit, after this step drew: the peer's position is where its step
             # began, and this step ran the same ops, so they are replayed onto it. A commit
@@ -175,6 +199,47 @@ class Attachment:
             streams[mine] = moved
         return {**state, "streams": streams}
 
+    def _check_same_ops(self, sent: Mapping[str, Any]) -> None:
+        """Refuse a peer whose fingerprint chains, at this replica's latest step boundary,
+        are not this replica's: it drew other ops (other code, another model), and this
+        replica would draw other masks from its position than the peer did."""
+        if self._boundary is None:
+            return
+        step, ours = self._boundary
+        drawn = {tag: digest for tag, digest in ours.items() if digest != INITIAL_DIGEST}
+        if not drawn:
+            return  # nothing drawn yet: any position continues it
+        peer = str(sent["replica"])
+        history = sent.get("history")
+        theirs = history.get(step) if isinstance(history, Mapping) else None
+        if not isinstance(theirs, Mapping):
+            return  # the peer keeps no boundary this old (HISTORY_STEPS): nothing to compare
+        ours_name = self.tracker.replica or ""
+        mapped = {_counterpart(tag, peer, ours_name): d for tag, d in theirs.items()}
+        differ = sorted(
+            tag
+            for tag in drawn.keys() | mapped.keys()
+            if mapped.get(tag, INITIAL_DIGEST) != ours.get(tag, INITIAL_DIGEST)
+        )
+        if differ:
+            raise InvalidRequest(
+                f"replica {peer!r} drew other ops than this replica up to step {step} "
+                f"(the fingerprint chains of {', '.join(map(repr, differ))} differ): the "
+                "replicas run different code, and this one would draw other masks from the "
+                "peer's position. Run the same model and steps on every replica; nothing was "
+                "restored"
+            )
+
+    def _note_boundary(self, state: Mapping[str, Any]) -> None:
+        """Remember ``state`` as where this replica's current step begins."""
+        step = self.manager.current_step()
+        digests = _digests(state)
+        self._boundary = (step, digests)
+        self._history[step] = digests
+        self._history.move_to_end(step)
+        while len(self._history) > HISTORY_STEPS:
+            self._history.popitem(last=False)
+
     # -- the step ------------------------------------------------------------------------
 
     def mark(self) -> None:
@@ -182,8 +247,15 @@ class Attachment:
         ``start_quorum``; before an asynchronous one (whose heal comes later), from when the
         step's ops are recorded."""
         self._mark = self.tracker.state_dict()
+        self._note_boundary(self._mark)
         if self.asynchronous:
             self.tracker.record_ops()
+
+    def committed(self) -> None:
+        """After a step committed: under the synchronous quorum the next step's heal comes
+        before its mark, and is checked against where this step ended."""
+        if not self.asynchronous:
+            self._note_boundary(self.tracker.state_dict())
 
     def rewind(self) -> None:
         """Put every stream the uncommitted step moved back where the step began."""
@@ -263,7 +335,9 @@ def _wrap(manager: Manager, attachment: Attachment) -> None:
 
     def commit(*args: Any, **kwargs: Any) -> bool:
         committed = should_commit(*args, **kwargs)
-        if not committed:
+        if committed:
+            attachment.committed()
+        else:
             attachment.rewind()
         return committed
 
@@ -282,3 +356,8 @@ def _counterpart(tag: str, peer: str, ours: str) -> str:
         )
     name = replica_name(m["base"], ours)
     return name if m["scope"] is None else scoped_name(name, int(m["scope"]))
+
+
+def _digests(state: Mapping[str, Any]) -> dict[str, bytes]:
+    """Each stream's fingerprint chain in a tracker state."""
+    return {tag: bytes(entry["digest"]) for tag, entry in dict(state.get("streams") or {}).items()}
