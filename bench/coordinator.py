@@ -376,6 +376,7 @@ class NoopCoordinator(pb_grpc.CoordinatorServicer):
     ListAudit = pb_grpc.CoordinatorServicer.ListAudit
     Attest = pb_grpc.CoordinatorServicer.Attest
     RecordResize = pb_grpc.CoordinatorServicer.RecordResize
+    RecordQuorum = pb_grpc.CoordinatorServicer.RecordQuorum
     Session = pb_grpc.CoordinatorServicer.Session
     JoinGroups = pb_grpc.CoordinatorServicer.JoinGroups
 

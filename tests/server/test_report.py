@@ -20,6 +20,7 @@ from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc
 
 JOB = "report-job"
+REPLICA_GROUP = "tp:1[0]/replica:1"
 
 
 def _grants(
@@ -50,7 +51,8 @@ def _grants(
 def build_history(server: CoordinatorProcess) -> None:
     """Job `JOB`: groups "a" and "b" of 2 ranks with 4 leases each; group "elastic" whose
     epoch 1 grants 4 leases, whose epoch 2 (new members) restores seq 0 to cursor 64 by both
-    members' votes, then grants 3."""
+    members' votes, then grants 3; and REPLICA_GROUP, a torchft replica's, of 1 rank with 2
+    leases and a quorum record."""
     stub = server.stub()
     for group in ("a", "b"):
         replies = join_all(stub, JOB, group, 2)
@@ -83,6 +85,17 @@ def build_history(server: CoordinatorProcess) -> None:
     for t in voters:
         t.join()
     _grants(stub, "elastic", epoch, members, range(3))
+    # A torchft replica's group: 2 leases, then the quorum in which it healed from replica 0.
+    (replica,) = join_all(stub, JOB, REPLICA_GROUP, 1)
+    _grants(stub, REPLICA_GROUP, replica.epoch, list(replica.members), range(2))
+    stub.RecordQuorum(
+        pb.RecordQuorumRequest(
+            job=JOB, group=REPLICA_GROUP, epoch=replica.epoch, quorum_id=7, step=12,
+            participants=2, healed_from="0", rank=0, member_id=replica.members[0],
+            member_secret=secret_for(replica.members[0]),
+        ),
+        timeout=10,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -110,18 +123,21 @@ def test_report_draws_each_group_with_epochs_leases_and_the_restore(
     history: str, tmp_path: Path
 ) -> None:
     out = tmp_path / "report.html"
-    assert "3 groups, 15 leases" in _report(history, out)
+    assert "4 groups, 17 leases" in _report(history, out)
     page = out.read_text()
-    assert page.count('<section class="group"') == 3
-    assert page.count("<svg") == 3
+    assert page.count('<section class="group"') == 4
+    assert page.count("<svg") == 4
     # Self-contained: nothing to fetch, nothing to run.
     assert "<script" not in page and not re.search(r'(src|href)="(https?:)?//', page)
     summary = dict(re.findall(r'data-group="([^"]+)" data-epochs="(\d+)"', page))
-    assert summary == {"a": "1", "b": "1", "elastic": "2"}
+    assert summary == {"a": "1", "b": "1", "elastic": "2", REPLICA_GROUP: "1"}
     elastic = page[page.index('data-group="elastic">') :]
     assert "epoch 1 (2 ranks)" in elastic and "epoch 2 (2 ranks)" in elastic
     assert "restore: epoch 2 seq 0 to 64" in elastic
     assert elastic.count('id="g2-lease-1-') == 4 and elastic.count('id="g2-lease-2-') == 3
+    replica = page[page.index(f'data-group="{REPLICA_GROUP}">') :]
+    assert "quorum 7: step 12, 2 replicas, healed from replica 0" in replica
+    assert 'id="g3-quorum-7"' in replica
 
 
 def test_report_refuses_a_missing_store_or_job_and_creates_nothing(tmp_path: Path) -> None:
@@ -160,13 +176,14 @@ def test_report_renders_in_chromium(history: str, tmp_path: Path) -> None:
         )
     finally:
         driver.quit()
-    assert [g["group"] for g in seen] == ["a", "b", "elastic"]
+    assert [g["group"] for g in seen] == ["a", "b", "elastic", REPLICA_GROUP]
     assert all(g["width"] > 300 for g in seen)
     elastic = seen[2]
     assert elastic["bands"] == 2 and elastic["restores"] == 1
     assert {"epoch 1 (2 ranks)", "epoch 2 (2 ranks)"} <= set(elastic["texts"])
     assert "restore: epoch 2 seq 0 to 64" in elastic["texts"]
     assert [g["bands"] for g in seen[:2]] == [1, 1]
+    assert any("quorum 7: step 12, 2 replicas" in t for t in seen[3]["texts"]), seen[3]["texts"]
 
 
 def _many_grants(

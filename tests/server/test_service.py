@@ -190,6 +190,72 @@ def test_record_resize_is_audited_once_and_refuses_bad_input(
     )
 
 
+def test_record_quorum_is_audited_once_and_refuses_bad_input(
+    coordinator: CoordinatorProcess,
+) -> None:
+    """A torchft replica's quorum, recorded in its group: one audit record per (epoch, quorum
+    id), whoever of its ranks sends it and however often; every malformed field refused by
+    name, a group that is not a replica's refused, a forged credential refused, and nothing
+    recorded by any refusal."""
+    stub = coordinator.stub()
+    group = "tp:2[0-1]/replica:1"
+    a, b = join_all(stub, JOB, group, 2)[0].members
+
+    def record(member: str, rank: int, **fields: object) -> pb.RecordQuorumResponse:
+        request: dict[str, Any] = dict(
+            job=JOB,
+            group=group,
+            epoch=1,
+            quorum_id=2**64 - 1,
+            step=7,
+            participants=2,
+            healed_from="0",
+            rank=rank,
+            member_id=member,
+            member_secret=secret_for(member),
+        )
+        request.update(fields)
+        reply: pb.RecordQuorumResponse = stub.RecordQuorum(
+            pb.RecordQuorumRequest(**request), timeout=10
+        )
+        return reply
+
+    def quorums() -> list[dict[str, Any]]:
+        listed = stub.ListAudit(pb.ListAuditRequest(job=JOB, kinds=["quorum"]), timeout=10)
+        return [json.loads(r.detail) for r in listed]
+
+    assert not record(a, 0).existing
+    assert record(b, 1).existing  # another rank, or a retry: still one record
+    assert not record(a, 0, quorum_id=3, step=9, participants=1, healed_from="").existing
+    assert quorums() == [
+        {"epoch": 1, "rank": 0, "replica": "1", "quorum_id": 2**64 - 1, "step": 7,
+         "participants": 2, "healed_from": "0"},
+        {"epoch": 1, "rank": 0, "replica": "1", "quorum_id": 3, "step": 9,
+         "participants": 1, "healed_from": ""},
+    ]  # fmt: skip
+    for fields, field in (
+        ({"step": 2**63}, "step"),
+        ({"participants": 0}, "participants"),
+        ({"healed_from": "no spaces"}, "healed_from"),
+        ({"healed_from": "1"}, "healed_from"),  # its own replica
+        ({"job": "bad job"}, "job"),
+    ):
+        error = _refused(record, a, 0, quorum_id=11, **fields)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, fields
+        assert field in (error.details() or ""), error.details()
+    (plain,) = join_all(stub, JOB, "tp:2[2-3]", 1)[0].members
+    not_a_replica = _refused(record, plain, 0, group="tp:2[2-3]", quorum_id=11)
+    assert not_a_replica.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a replica's group" in (not_a_replica.details() or "")
+    forged = _refused(record, a, 0, quorum_id=11, member_secret=b"f" * 32)
+    assert forged.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert _refused(record, a, 0, epoch=2, quorum_id=11).code() == grpc.StatusCode.NOT_FOUND
+    join_all(stub, JOB, group, 2)  # epoch 2: epoch 1's members are fenced
+    stale = _refused(record, a, 0, quorum_id=11)
+    assert stale.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert [q["quorum_id"] for q in quorums()] == [2**64 - 1, 3]
+
+
 def test_one_member_cannot_grow_the_log_with_resizes(coordinator: CoordinatorProcess) -> None:
     """A member's valid credential naming ever new saved groups: MAX_PER_EPOCH records, then
     INVALID_ARGUMENT; a repeat of a recorded one is still answered."""

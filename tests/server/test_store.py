@@ -135,6 +135,7 @@ def test_migrations_apply_once(tmp_path: Path) -> None:
         (5, "005_member_credentials"),
         (6, "006_launches"),
         (7, "007_resizes"),
+        (8, "008_quorums"),
     ]
     head = store.read(lambda tx: tx.fetchone("SELECT last_id, last_hash FROM audit_head"))
     assert head == (0, "0" * 64)

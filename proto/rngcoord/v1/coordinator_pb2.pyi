@@ -313,6 +313,7 @@ class SessionRequest(_message.Message):
     RECORD_RESIZE_FIELD_NUMBER: _builtins.int
     CANCEL_FIELD_NUMBER: _builtins.int
     JOIN_GROUPS_FIELD_NUMBER: _builtins.int
+    RECORD_QUORUM_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Chosen by the client, unique among its requests in flight on this stream; the answer
     carries it back.
@@ -341,6 +342,8 @@ class SessionRequest(_message.Message):
     def record_resize(self) -> Global___RecordResizeRequest: ...
     @_builtins.property
     def join_groups(self) -> Global___JoinGroupsRequest: ...
+    @_builtins.property
+    def record_quorum(self) -> Global___RecordQuorumRequest: ...
     def __init__(
         self,
         *,
@@ -355,12 +358,13 @@ class SessionRequest(_message.Message):
         record_resize: Global___RecordResizeRequest | None = ...,
         cancel: _builtins.bool = ...,
         join_groups: Global___JoinGroupsRequest | None = ...,
+        record_quorum: Global___RecordQuorumRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["attest", b"attest", "call", b"call", "cancel", b"cancel", "get_group", b"get_group", "join_group", b"join_group", "join_groups", b"join_groups", "leave_group", b"leave_group", "record_resize", b"record_resize", "reserve", b"reserve", "restore", b"restore"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attest", b"attest", "call", b"call", "cancel", b"cancel", "get_group", b"get_group", "join_group", b"join_group", "join_groups", b"join_groups", "leave_group", b"leave_group", "record_quorum", b"record_quorum", "record_resize", b"record_resize", "reserve", b"reserve", "restore", b"restore"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attest", b"attest", "call", b"call", "cancel", b"cancel", "deadline_ms", b"deadline_ms", "get_group", b"get_group", "id", b"id", "join_group", b"join_group", "join_groups", b"join_groups", "leave_group", b"leave_group", "record_resize", b"record_resize", "reserve", b"reserve", "restore", b"restore"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attest", b"attest", "call", b"call", "cancel", b"cancel", "deadline_ms", b"deadline_ms", "get_group", b"get_group", "id", b"id", "join_group", b"join_group", "join_groups", b"join_groups", "leave_group", b"leave_group", "record_quorum", b"record_quorum", "record_resize", b"record_resize", "reserve", b"reserve", "restore", b"restore"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["join_group", "reserve", "attest", "leave_group", "get_group", "restore", "record_resize", "cancel", "join_groups"]  # noqa: Y015
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["join_group", "reserve", "attest", "leave_group", "get_group", "restore", "record_resize", "cancel", "join_groups", "record_quorum"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
 
@@ -382,6 +386,7 @@ class SessionResponse(_message.Message):
     RECORD_RESIZE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     JOIN_GROUPS_FIELD_NUMBER: _builtins.int
+    RECORD_QUORUM_FIELD_NUMBER: _builtins.int
     AUDIT_HEAD_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     error: _builtins.bytes
@@ -408,6 +413,8 @@ class SessionResponse(_message.Message):
     def record_resize(self) -> Global___RecordResizeResponse: ...
     @_builtins.property
     def join_groups(self) -> Global___JoinGroupsResponse: ...
+    @_builtins.property
+    def record_quorum(self) -> Global___RecordQuorumResponse: ...
     def __init__(
         self,
         *,
@@ -421,13 +428,14 @@ class SessionResponse(_message.Message):
         record_resize: Global___RecordResizeResponse | None = ...,
         error: _builtins.bytes = ...,
         join_groups: Global___JoinGroupsResponse | None = ...,
+        record_quorum: Global___RecordQuorumResponse | None = ...,
         audit_head: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["attest", b"attest", "error", b"error", "get_group", b"get_group", "join_group", b"join_group", "join_groups", b"join_groups", "leave_group", b"leave_group", "record_resize", b"record_resize", "reply", b"reply", "reserve", b"reserve", "restore", b"restore"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attest", b"attest", "error", b"error", "get_group", b"get_group", "join_group", b"join_group", "join_groups", b"join_groups", "leave_group", b"leave_group", "record_quorum", b"record_quorum", "record_resize", b"record_resize", "reply", b"reply", "reserve", b"reserve", "restore", b"restore"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attest", b"attest", "audit_head", b"audit_head", "error", b"error", "get_group", b"get_group", "id", b"id", "join_group", b"join_group", "join_groups", b"join_groups", "leave_group", b"leave_group", "record_resize", b"record_resize", "reply", b"reply", "reserve", b"reserve", "restore", b"restore"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attest", b"attest", "audit_head", b"audit_head", "error", b"error", "get_group", b"get_group", "id", b"id", "join_group", b"join_group", "join_groups", b"join_groups", "leave_group", b"leave_group", "record_quorum", b"record_quorum", "record_resize", b"record_resize", "reply", b"reply", "reserve", b"reserve", "restore", b"restore"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_reply: _TypeAlias = _typing.Literal["join_group", "reserve", "attest", "leave_group", "get_group", "restore", "record_resize", "error", "join_groups"]  # noqa: Y015
+    _WhichOneofReturnType_reply: _TypeAlias = _typing.Literal["join_group", "reserve", "attest", "leave_group", "get_group", "restore", "record_resize", "error", "join_groups", "record_quorum"]  # noqa: Y015
     _WhichOneofArgType_reply: _TypeAlias = _typing.Literal["reply", b"reply"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_reply) -> _WhichOneofReturnType_reply | None: ...
 
@@ -758,6 +766,84 @@ class RecordResizeResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RecordResizeResponse: _TypeAlias = RecordResizeResponse  # noqa: Y015
+
+@_typing.final
+class RecordQuorumRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    QUORUM_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    PARTICIPANTS_FIELD_NUMBER: _builtins.int
+    HEALED_FROM_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    MEMBER_ID_FIELD_NUMBER: _builtins.int
+    MEMBER_SECRET_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    """The replica's group (a group whose name ends in /replica:NAME), and the caller's epoch
+    in it (fenced as for Reserve).
+    """
+    group: _builtins.str
+    epoch: _builtins.int
+    quorum_id: _builtins.int
+    """torchft's quorum id (the Lighthouse's, the same on every replica of the quorum)."""
+    step: _builtins.int
+    """The step the quorum formed at (torchft's committed step count; a healed replica's is
+    its peer's), below 2^63.
+    """
+    participants: _builtins.int
+    """How many replicas take part in the quorum, at least 1."""
+    healed_from: _builtins.str
+    """The peer replica whose state this replica loaded in this quorum (a heal); "" when it
+    did not heal.
+    """
+    rank: _builtins.int
+    member_id: _builtins.str
+    member_secret: _builtins.bytes
+    """The member's credential, as it joined with (JoinGroupRequest.member_secret)."""
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        group: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        quorum_id: _builtins.int = ...,
+        step: _builtins.int = ...,
+        participants: _builtins.int = ...,
+        healed_from: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        member_id: _builtins.str = ...,
+        member_secret: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "group", b"group", "healed_from", b"healed_from", "job", b"job", "member_id", b"member_id", "member_secret", b"member_secret", "participants", b"participants", "quorum_id", b"quorum_id", "rank", b"rank", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordQuorumRequest: _TypeAlias = RecordQuorumRequest  # noqa: Y015
+
+@_typing.final
+class RecordQuorumResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXISTING_FIELD_NUMBER: _builtins.int
+    existing: _builtins.bool
+    """True when this (epoch, quorum id) had been recorded already."""
+    def __init__(
+        self,
+        *,
+        existing: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["existing", b"existing"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordQuorumResponse: _TypeAlias = RecordQuorumResponse  # noqa: Y015
 
 @_typing.final
 class Lease(_message.Message):

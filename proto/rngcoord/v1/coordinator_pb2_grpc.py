@@ -80,6 +80,11 @@ class CoordinatorStub:
                 request_serializer=rngcoord_dot_v1_dot_coordinator__pb2.RecordResizeRequest.SerializeToString,
                 response_deserializer=rngcoord_dot_v1_dot_coordinator__pb2.RecordResizeResponse.FromString,
                 _registered_method=True)
+        self.RecordQuorum = channel.unary_unary(
+                '/rngcoord.v1.Coordinator/RecordQuorum',
+                request_serializer=rngcoord_dot_v1_dot_coordinator__pb2.RecordQuorumRequest.SerializeToString,
+                response_deserializer=rngcoord_dot_v1_dot_coordinator__pb2.RecordQuorumResponse.FromString,
+                _registered_method=True)
         self.Session = channel.stream_stream(
                 '/rngcoord.v1.Coordinator/Session',
                 request_serializer=rngcoord_dot_v1_dot_coordinator__pb2.SessionRequest.SerializeToString,
@@ -175,6 +180,17 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordQuorum(self, request, context):
+        """RecordQuorum audits a torchft quorum that the caller's replica took part in: the quorum
+        id, the step, how many replicas took part, and whether the replica healed in it (and from
+        which peer replica). Recorded once per (epoch, quorum id) of the replica's group as audit
+        kind `quorum`; a repeat returns `existing`. The replicas of one quorum id, across the
+        job's groups, are its participants.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Session(self, request_iterator, context):
         """Session carries a process's member calls as messages on one stream, multiplexed by
         request id: the same calls, served by the same code, with the same auth, limits and errors
@@ -237,6 +253,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.RecordResize,
                     request_deserializer=rngcoord_dot_v1_dot_coordinator__pb2.RecordResizeRequest.FromString,
                     response_serializer=rngcoord_dot_v1_dot_coordinator__pb2.RecordResizeResponse.SerializeToString,
+            ),
+            'RecordQuorum': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordQuorum,
+                    request_deserializer=rngcoord_dot_v1_dot_coordinator__pb2.RecordQuorumRequest.FromString,
+                    response_serializer=rngcoord_dot_v1_dot_coordinator__pb2.RecordQuorumResponse.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
@@ -488,6 +509,33 @@ class Coordinator:
             '/rngcoord.v1.Coordinator/RecordResize',
             rngcoord_dot_v1_dot_coordinator__pb2.RecordResizeRequest.SerializeToString,
             rngcoord_dot_v1_dot_coordinator__pb2.RecordResizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordQuorum(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rngcoord.v1.Coordinator/RecordQuorum',
+            rngcoord_dot_v1_dot_coordinator__pb2.RecordQuorumRequest.SerializeToString,
+            rngcoord_dot_v1_dot_coordinator__pb2.RecordQuorumResponse.FromString,
             options,
             channel_credentials,
             insecure,

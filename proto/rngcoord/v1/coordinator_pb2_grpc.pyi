@@ -116,6 +116,13 @@ class CoordinatorStub:
     `group` continues from its own position instead of the saved cursor. Recorded once per
     (epoch, saved group) as audit kind `resize`; a repeat returns `existing`.
     """
+    RecordQuorum: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RecordQuorumRequest, _coordinator_pb2.RecordQuorumResponse]
+    """RecordQuorum audits a torchft quorum that the caller's replica took part in: the quorum
+    id, the step, how many replicas took part, and whether the replica healed in it (and from
+    which peer replica). Recorded once per (epoch, quorum id) of the replica's group as audit
+    kind `quorum`; a repeat returns `existing`. The replicas of one quorum id, across the
+    job's groups, are its participants.
+    """
     Session: _grpc.StreamStreamMultiCallable[_coordinator_pb2.SessionRequest, _coordinator_pb2.SessionResponse]
     """Session carries a process's member calls as messages on one stream, multiplexed by
     request id: the same calls, served by the same code, with the same auth, limits and errors
@@ -178,6 +185,13 @@ class CoordinatorAsyncStub(CoordinatorStub):
     which this mesh never joins (a job resumed on another mesh under the offsets policy), so
     `group` continues from its own position instead of the saved cursor. Recorded once per
     (epoch, saved group) as audit kind `resize`; a repeat returns `existing`.
+    """
+    RecordQuorum: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RecordQuorumRequest, _coordinator_pb2.RecordQuorumResponse]  # type: ignore[assignment]
+    """RecordQuorum audits a torchft quorum that the caller's replica took part in: the quorum
+    id, the step, how many replicas took part, and whether the replica healed in it (and from
+    which peer replica). Recorded once per (epoch, quorum id) of the replica's group as audit
+    kind `quorum`; a repeat returns `existing`. The replicas of one quorum id, across the
+    job's groups, are its participants.
     """
     Session: _aio.StreamStreamMultiCallable[_coordinator_pb2.SessionRequest, _coordinator_pb2.SessionResponse]  # type: ignore[assignment]
     """Session carries a process's member calls as messages on one stream, multiplexed by
@@ -292,6 +306,19 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         which this mesh never joins (a job resumed on another mesh under the offsets policy), so
         `group` continues from its own position instead of the saved cursor. Recorded once per
         (epoch, saved group) as audit kind `resize`; a repeat returns `existing`.
+        """
+
+    @_abc_1.abstractmethod
+    def RecordQuorum(
+        self,
+        request: _coordinator_pb2.RecordQuorumRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RecordQuorumResponse, _abc.Awaitable[_coordinator_pb2.RecordQuorumResponse]]:
+        """RecordQuorum audits a torchft quorum that the caller's replica took part in: the quorum
+        id, the step, how many replicas took part, and whether the replica healed in it (and from
+        which peer replica). Recorded once per (epoch, quorum id) of the replica's group as audit
+        kind `quorum`; a repeat returns `existing`. The replicas of one quorum id, across the
+        job's groups, are its participants.
         """
 
     @_abc_1.abstractmethod

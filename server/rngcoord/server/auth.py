@@ -11,7 +11,7 @@ separated by whitespace; blank lines and lines starting with `#` are ignored:
 - NAME names the identity in audit records and logs (never the token).
 - ROLE is one of:
   - `member`: JoinGroup, JoinGroups, Reserve, Attest, LeaveGroup, Restore (not forced),
-    RecordResize, GetGroup and ListAudit (and each of these as a Session message);
+    RecordResize, RecordQuorum, GetGroup and ListAudit (and each of these as a Session message);
   - `auditor`: GetGroup and ListAudit only;
   - `admin`: everything, including a forced Restore.
 - JOBS is a comma-separated list of job patterns (`fnmatch`: `*`, `?`, `[...]`); a request is
@@ -41,7 +41,16 @@ __all__ = ["ROLES", "Identity", "TokenTable", "load_tokens"]
 ROLES = ("member", "auditor", "admin")
 
 WRITES = frozenset(
-    {"JoinGroup", "JoinGroups", "Reserve", "Attest", "LeaveGroup", "Restore", "RecordResize"}
+    {
+        "JoinGroup",
+        "JoinGroups",
+        "Reserve",
+        "Attest",
+        "LeaveGroup",
+        "Restore",
+        "RecordResize",
+        "RecordQuorum",
+    }
 )
 """The methods that change state: members and admins only."""
 

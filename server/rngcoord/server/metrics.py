@@ -61,6 +61,7 @@ METHODS = (
     "Restore",
     "ListAudit",
     "RecordResize",
+    "RecordQuorum",
     "Session",
 )
 

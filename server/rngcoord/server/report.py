@@ -3,7 +3,8 @@
 For each group of the job, a timeline drawn with matplotlib as SVG and inlined in the page (no
 script, no external file: it opens offline and prints): the epochs as bands along the time
 axis, the leases as bars along the offset axis against time, each Restore as a marker at its
-cursor, each divergence as a line naming its ranks. Above them, a summary table. The store is
+cursor, each divergence as a line naming its ranks, each torchft quorum a replica recorded as a
+dashed line naming its step, replicas and heal. Above them, a summary table. The store is
 only read, and never created: a missing store is `StoreNotFound`, as for `rngcoord audit`.
 
 The timelines stay readable and small at any number of grants: the leases of an epoch are
@@ -148,10 +149,11 @@ def _group_section(index: int, g: GroupHistory, plt: Any) -> str:
 def _timeline_svg(ids: str, g: GroupHistory, plt: Any) -> str:
     """The group's timeline as an <svg> element; its parts' ids start with `ids` (unique in
     the page): `-epoch-N`, `-lease-N-K` (bar K of epoch N), `-restore-N-SEQ`,
-    `-divergence-K`."""
+    `-divergence-K`, `-quorum-ID`."""
     times = [lease.created_us for lease in g.leases]
     times += [ep.created_us for ep in g.epochs]
     times += [r[0] for r in g.restores] + [d[0] for d in g.divergences]
+    times += [q[0] for q in g.quorums]
     if not times:
         return '<p class="meta">No epoch formed in this group.</p>'
     t0 = min(times)
@@ -216,6 +218,25 @@ def _timeline_svg(ids: str, g: GroupHistory, plt: Any) -> str:
                 # Toward the middle, so that the text stays over the axes.
                 ha="right" if at(ts_us) > span / 2 else "left",
                 color="#c00020",
+                fontsize=8,
+            )
+        for ts_us, quorum_id, step, participants, healed_from in g.quorums:
+            ax.axvline(
+                at(ts_us),
+                color="#1f5fbf",
+                linestyle="--",
+                linewidth=1,
+                zorder=3,
+                gid=f"{ids}-quorum-{quorum_id}",
+            )
+            healed = f", healed from replica {healed_from}" if healed_from else ""
+            ax.text(
+                at(ts_us),
+                0.80,
+                f" quorum {quorum_id}: step {step}, {participants} replicas{healed} ",
+                transform=ax.get_xaxis_transform(),
+                ha="right" if at(ts_us) > span / 2 else "left",
+                color="#1f5fbf",
                 fontsize=8,
             )
         # A little room left of 0: the first lease's bar starts there.

@@ -76,6 +76,7 @@ KINDS = (
     "resize",
     "failover-gap",
     "rewind",
+    "quorum",
 )
 
 

@@ -40,6 +40,7 @@ from rngcoord.server.core.membership import (
     secret_hash,
     wait_s,
 )
+from rngcoord.server.core.quorums import Quorums
 from rngcoord.server.core.resizes import Resizes
 from rngcoord.server.core.restores import Restores
 from rngcoord.server.errors import (
@@ -142,6 +143,7 @@ class Coordinator:
         self._grants = Grants(context)
         self._restores = Restores(context)
         self._resizes = Resizes(context)
+        self._quorums = Quorums(context)
         poll = feed_poll_s if feed_poll_s is not None else (0.02 if self._inline_reads else 0.1)
         self._feed = Feed(
             store,
@@ -369,7 +371,7 @@ class Coordinator:
         if record.kind == "restore":
             self._restores.restored(record)
             return
-        if record.kind == "resize":
+        if record.kind in ("resize", "quorum"):
             return
         self._cache.groups.drop(key)
         if record.kind == "epoch":
@@ -528,6 +530,19 @@ class Coordinator:
         `saved_group` (rngcoord.server.core.resizes); True when it had been recorded already."""
         return await self._resizes.record(
             caller, saved_group=saved_group, saved_cursor=saved_cursor
+        )
+
+    async def record_quorum(
+        self, caller: Caller, *, quorum_id: int, step: int, participants: int, healed_from: str
+    ) -> bool:
+        """Audit a torchft quorum that the caller's replica took part in
+        (rngcoord.server.core.quorums); True when it had been recorded already."""
+        return await self._quorums.record(
+            caller,
+            quorum_id=quorum_id,
+            step=step,
+            participants=participants,
+            healed_from=healed_from,
         )
 
     # -------------------------------------------------------------------------- leave

@@ -45,9 +45,10 @@ __all__ = [
 
 T = TypeVar("T")
 
-FEED_KINDS = ("epoch", "leave", "divergence", "restore", "resize")
-"""The audit kinds that change what a hit or a waiting join may answer, and `resize`, which
-changes nothing but is logged (rngcoord.server.core.coordinator logs every kind here once)."""
+FEED_KINDS = ("epoch", "leave", "divergence", "restore", "resize", "quorum")
+"""The audit kinds that change what a hit or a waiting join may answer, and `resize` and
+`quorum`, which change nothing but are logged (rngcoord.server.core.coordinator logs
+every kind here once)."""
 
 _PAGE = 2000
 _log = get_logger("feed")
@@ -243,4 +244,16 @@ def log_change(record: FeedRecord) -> None:
             **where,
             saved_group=d.get("saved_group"),
             saved_cursor=d.get("saved_cursor"),
+        )
+    elif record.kind == "quorum":
+        event(
+            _changes_log,
+            logging.INFO,
+            "quorum",
+            **where,
+            replica=d.get("replica"),
+            quorum_id=d.get("quorum_id"),
+            step=d.get("step"),
+            participants=d.get("participants"),
+            healed_from=d.get("healed_from"),
         )

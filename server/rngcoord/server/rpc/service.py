@@ -89,6 +89,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             "get_group": ("GetGroup", self.GetGroup),
             "restore": ("Restore", self.Restore),
             "record_resize": ("RecordResize", self.RecordResize),
+            "record_quorum": ("RecordQuorum", self.RecordQuorum),
         }
         self._audit_streams = audit_streams if audit_streams is not None else StreamCaps()
         self._audit_stall_s = audit_stall_s
@@ -104,6 +105,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._restore_seconds = latency["Restore"]
         self._audit_seconds = latency["ListAudit"]
         self._resize_seconds = latency["RecordResize"]
+        self._quorum_seconds = latency["RecordQuorum"]
         self._session_seconds = latency["Session"]
         self._grants = self._metrics.grants
         self._hits = self._metrics.hits
@@ -280,6 +282,24 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await self._fail("RecordResize", exc, context, t0)
         self._resize_seconds.observe(perf_counter() - t0)
         return pb.RecordResizeResponse(existing=existing)
+
+    async def RecordQuorum(
+        self, request: pb.RecordQuorumRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.RecordQuorumResponse:
+        t0 = perf_counter()
+        try:
+            self._check_store()
+            existing = await self._coord.record_quorum(
+                _caller(request, context),
+                quorum_id=request.quorum_id,
+                step=request.step,
+                participants=request.participants,
+                healed_from=request.healed_from,
+            )
+        except Exception as exc:
+            await self._fail("RecordQuorum", exc, context, t0)
+        self._quorum_seconds.observe(perf_counter() - t0)
+        return pb.RecordQuorumResponse(existing=existing)
 
     async def ListAudit(  # type: ignore[override]
         self, request: pb.ListAuditRequest, context: grpc.aio.ServicerContext[object, object]
@@ -468,7 +488,8 @@ def _caller(
     | pb.AttestRequest
     | pb.LeaveGroupRequest
     | pb.RestoreRequest
-    | pb.RecordResizeRequest,
+    | pb.RecordResizeRequest
+    | pb.RecordQuorumRequest,
     context: grpc.aio.ServicerContext[object, object],
 ) -> Caller:
     """Who asks, as which member: the request's member fields, the token's identity and the

@@ -606,3 +606,28 @@ def has_resize(tx: Tx, job: str, group: str, epoch: int, saved_group: str) -> bo
         )
         is not None
     )
+
+
+def insert_quorum(
+    tx: Tx,
+    job: str,
+    group: str,
+    epoch: int,
+    quorum_id: int,
+    *,
+    step: int,
+    participants: int,
+    healed_from: str,
+    now_us: int,
+) -> bool:
+    """Record that the replica of `group` took part in torchft quorum `quorum_id` in epoch
+    `epoch`; False when that was recorded already."""
+    return (
+        tx.execute(
+            "INSERT INTO quorums (job, grp, epoch, quorum_id, step, participants, healed_from, "
+            "created_us) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (job, grp, epoch, quorum_id) DO NOTHING",
+            (job, group, epoch, to_db(quorum_id), step, participants, healed_from, now_us),
+        )
+        > 0
+    )

@@ -291,6 +291,8 @@ class GroupHistory:
         leases: its leases, by grant time.
         restores: (time µs, epoch, seq, cursor) of each Restore that took effect.
         divergences: (time µs, epoch, ranks) of each divergence, from the audit chain.
+        quorums: (time µs, quorum id, step, participants, healed from) of each torchft
+            quorum a replica recorded in the group, from the audit chain.
     """
 
     group: str
@@ -299,6 +301,7 @@ class GroupHistory:
     leases: list[LeasePoint] = field(default_factory=list)
     restores: list[tuple[int, int, int, int]] = field(default_factory=list)
     divergences: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
+    quorums: list[tuple[int, int, int, int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -319,7 +322,8 @@ class JobReport:
 
 
 def job_report(tx: Tx, job: str, store_id: str) -> JobReport | None:
-    """Read one job's groups, epochs, leases, restores and divergences in one snapshot; None
+    """Read one job's groups, epochs, leases, restores, divergences and torchft quorums in one
+    snapshot; None
     when the store has no such job."""
     if tx.fetchone("SELECT 1 FROM jobs WHERE job = ?", (job,)) is None:
         return None
@@ -358,6 +362,15 @@ def job_report(tx: Tx, job: str, store_id: str) -> JobReport | None:
     ):
         d = json.loads(detail)
         groups[grp].divergences.append((int(ts_us), int(d["epoch"]), divergences.record_ranks(d)))
+    for grp, ts_us, detail in tx.fetchall(
+        "SELECT grp, ts_us, detail FROM audit WHERE job = ? AND kind = 'quorum' ORDER BY id",
+        (job,),
+    ):
+        d = json.loads(detail)
+        groups[grp].quorums.append(
+            (int(ts_us), int(d["quorum_id"]), int(d["step"]), int(d["participants"]),
+             str(d["healed_from"]))
+        )  # fmt: skip
     head = tx.fetchone("SELECT last_id, last_hash FROM audit_head WHERE id = 1")
     assert head is not None
     return JobReport(job, store_id, (int(head[0]), str(head[1])), list(groups.values()))
