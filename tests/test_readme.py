@@ -1,5 +1,6 @@
-"""README's `rngcoord serve` flag table against the real `rngcoord serve --help`, and every
-relative link in README.md, examples/README.md and docs/ resolving to a file and heading.
+"""The CLI reference's `rngcoord serve` flag table (docs/operations.md) against the real
+`rngcoord serve --help`, and every relative link in README.md, examples/README.md and docs/
+resolving to a file and heading.
 
 Every flag in one is in the other; each flag's environment variable is the same in both; and
 where both give a default as one word (a number, an address, `off`), it is the same word.
@@ -29,7 +30,7 @@ class Row:
 
 
 def _readme_table() -> dict[str, Row]:
-    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    lines = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8").splitlines()
     start = next(
         i for i, line in enumerate(lines) if "`rngcoord serve` runs the coordinator" in line
     )

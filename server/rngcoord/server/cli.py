@@ -2,8 +2,8 @@
 
 Exit status: 0 on success; 1 when `verify` finds a problem; 2 for a usage error or when the
 command cannot run (an unreadable database, an address that cannot be bound, a bad token
-file). Flags take their defaults from environment variables where the table in README.md
-names one.
+file). Flags take their defaults from environment variables where the CLI reference
+(docs/operations.md) names one.
 """
 
 from __future__ import annotations
