@@ -5,7 +5,8 @@ examples/train_torchft.py runs as 2 replica groups, each a torchrun of 2 gloo ra
 the asynchronous one), against a real coordinator. A reference job trains without a failure.
 Beside it, a second job with the same root seed loses all of replica 1 (SIGKILL of torchrun
 and its workers) mid-run; replica 0 trains on alone, and replica 1, started again, heals from
-it and trains to the end. Masks are compared step by step (torchft's committed step count)
+it, while the coordinator is down (SIGKILLed, restarted on its store 3 s later), and trains
+to the end. Masks are compared step by step (torchft's committed step count)
 with the reference's.
 """
 
@@ -35,6 +36,9 @@ STEPS, KILL_AFTER, SEED = 14, 4, 0x7F7
 FAIL_COMMIT_AT = 2  # the failure job's step that fails to commit once, on both replicas
 # Long enough a step that replica 0 is mid-run when replica 1 dies and when it returns.
 STEP_S = 0.4
+# How long the coordinator stays down while replica 1 heals: past replica 1's first quorum,
+# and longer than replica 0's leases last.
+OUTAGE_S = 3.0
 
 
 @pytest.fixture
@@ -131,6 +135,18 @@ class Replica:
         return "\n".join(text.splitlines()[-40:])
 
 
+def _quorums(coordinator: CoordinatorProcess, job: str) -> dict[str, list[dict[str, Any]]]:
+    """The details of `job`'s quorum records, by replica, oldest first."""
+    audit = run_cli("audit", "--db", coordinator.db_url, "--job", job, "--kind", "quorum",
+                    "--json")  # fmt: skip
+    assert audit.returncode == 0, audit.stderr
+    by_replica: dict[str, list[dict[str, Any]]] = {"0": [], "1": []}
+    for line in audit.stdout.splitlines():
+        detail = json.loads(line)["detail"]
+        by_replica[detail["replica"]].append(detail)
+    return by_replica
+
+
 def _masks(record: dict[str, Any]) -> dict[str, str]:
     masks: dict[str, str] = record["masks"]
     return masks
@@ -142,6 +158,7 @@ def test_a_killed_replica_heals_with_the_streams_of_a_run_without_the_failure(
     coordinator: CoordinatorProcess, lighthouses: list[Lighthouse], tmp_path: Path, quorum: str
 ) -> None:
     hold = tmp_path / "hold"
+    restarted: list[float] = []
 
     def reference() -> tuple[Replica, Replica]:
         lighthouse = lighthouses[0].address
@@ -193,7 +210,13 @@ def test_a_killed_replica_heals_with_the_streams_of_a_run_without_the_failure(
             "ft-heal", "1", coordinator.address, lighthouse, tmp_path / "heal-1b", hold, quorum
         )
         again.wait_started()
+        # The coordinator dies as replica 1 heals: its Restores (at its first random op) and
+        # replica 0's next leases wait out the outage, and go on from the restarted server.
+        coordinator.kill()
         hold.unlink()
+        time.sleep(OUTAGE_S)
+        restarted.append(time.time())
+        coordinator.restart()
         zero.wait()
         again.wait()
         return zero, one, again
@@ -242,6 +265,42 @@ def test_a_killed_replica_heals_with_the_streams_of_a_run_without_the_failure(
         del after[healed_at]
     for step, ranks in [*before.items(), *after.items()]:
         assert [_masks(r) for r in ranks] == [_masks(r) for r in ref["1"][step]], step
+
+    # The heal went through the outage: replica 1's ranks waited for the coordinator, and
+    # their Restores are the restarted server's.
+    assert "coordinator unreachable" in (tmp_path / "heal-1b" / "torchrun.log").read_text()
+    audit = run_cli("audit", "--db", coordinator.db_url, "--job", "ft-heal", "--kind", "restore",
+                    "--json")  # fmt: skip
+    assert audit.returncode == 0, audit.stderr
+    restores = [json.loads(line) for line in audit.stdout.splitlines()]
+    # (Replica 1's earlier Restores, of its first process, are its rewinds and its step-0
+    # heal; the restarted process's are those of its new epoch.)
+    replica1 = [r for r in restores if r["group"].endswith("/replica:1")]
+    newest: dict[str, int] = {}
+    for r in replica1:
+        newest[r["group"]] = max(newest.get(r["group"], 0), r["detail"]["epoch"])
+    heal_restores = [r for r in replica1 if r["detail"]["epoch"] == newest[r["group"]]]
+    assert heal_restores, restores
+    assert min(r["ts_us"] for r in heal_restores) / 1e6 > restarted[0], heal_restores
+
+    # The replica timeline in the audit: each replica's rank 0 records every quorum it took
+    # part in. In the reference both replicas are in every quorum; in the failure job
+    # replica 0 trained alone after the kill, and replica 1 healed from it at its first step
+    # back.
+    ref_quorums, heal_quorums = (
+        _quorums(coordinator, "ft-reference"),
+        _quorums(coordinator, "ft-heal"),
+    )
+    assert ref_quorums["0"] and {q["quorum_id"] for q in ref_quorums["0"]} == {
+        q["quorum_id"] for q in ref_quorums["1"]
+    }, ref_quorums
+    assert all(q["participants"] == 2 for qs in ref_quorums.values() for q in qs), ref_quorums
+    assert any(q["participants"] == 1 for q in heal_quorums["0"]), heal_quorums
+    # (At step 0 torchft's init_sync heals every replica but one from that one.)
+    assert not any(q["healed_from"] for q in heal_quorums["0"] if q["step"] > 0), heal_quorums
+    healed = [q for q in heal_quorums["1"] if q["healed_from"]]
+    assert [(q["healed_from"], q["step"]) for q in healed][-1:] == [("0", healed_at)], healed
+    assert healed[-1]["quorum_id"] in {q["quorum_id"] for q in heal_quorums["0"]}
 
     verified = run_cli("verify", "--db", coordinator.db_url)
     assert verified.returncode == 0, verified.stdout + verified.stderr

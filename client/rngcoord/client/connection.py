@@ -764,6 +764,41 @@ class CoordinatorClient:
         )
         return bool(reply.existing)
 
+    def record_quorum(
+        self,
+        job: str,
+        group: str,
+        *,
+        epoch: int,
+        quorum_id: int,
+        step: int,
+        participants: int,
+        healed_from: str,
+        rank: int,
+        member_id: str,
+    ) -> bool:
+        """Audit that the replica of ``group`` took part in torchft quorum ``quorum_id``,
+        formed at ``step`` with ``participants`` replicas, healing from replica
+        ``healed_from`` ("" for none); True when that was recorded already."""
+        request = pb.RecordQuorumRequest(
+            job=job,
+            group=group,
+            epoch=epoch,
+            quorum_id=quorum_id,
+            step=step,
+            participants=participants,
+            healed_from=healed_from,
+            rank=rank,
+            member_id=member_id,
+            member_secret=member_secret(member_id),
+        )
+        reply = self._call(
+            "RecordQuorum",
+            lambda s, d, m: s.RecordQuorum(request, timeout=d, metadata=m),
+            self.deadline_s,
+        )
+        return bool(reply.existing)
+
     def get_group(
         self, job: str, group: str, *, members_from: int = 0, members_limit: int = 0
     ) -> GroupInfo:

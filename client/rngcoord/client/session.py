@@ -43,6 +43,7 @@ _CALLS = {
     "GetGroup": "get_group",
     "Restore": "restore",
     "RecordResize": "record_resize",
+    "RecordQuorum": "record_quorum",
 }
 
 

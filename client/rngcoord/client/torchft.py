@@ -30,6 +30,10 @@ torchft does nothing about random numbers. :func:`attach` adds the tracker's par
   already drawn checks that the peer's chain at its own step equals its own, and refuses the
   state otherwise: a replica that ran other code would draw other masks from the restored
   position, silently. A new process has drawn nothing to check.
+- **Each quorum is audited.** Rank 0 of each replica records every torchft quorum the replica
+  takes part in (its id, the step, how many replicas take part, the peer it healed from) as
+  an audit record of kind ``quorum`` in its first group: ``rngcoord audit --kind quorum``
+  shows the replica timeline beside each heal's Restores.
 - **A step that does not commit is redrawn.** When ``should_commit()`` is false the step is
   redone; the tracker rewinds every stream the step moved to where the step began (a Restore
   each, voted by the replica's ranks, which all see the same verdict), so the redone step
@@ -47,6 +51,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rngcoord.client.errors import InvalidRequest
@@ -55,7 +60,7 @@ from rngcoord.client.leases import INITIAL_DIGEST
 from rngcoord.client.tracker import OffsetBasedRNGTracker, scoped_name
 from rngcoord.v1.seeds import group_seed
 
-__all__ = ["HISTORY_STEPS", "STATE_KEY", "Attachment", "attach"]
+__all__ = ["HISTORY_STEPS", "STATE_KEY", "Attachment", "Quorum", "attach"]
 
 STATE_KEY = "rngcoord"
 """The key under which :func:`attach` registers the tracker with the Manager."""
@@ -65,6 +70,23 @@ HISTORY_STEPS = 64
 that heals after falling further behind than this is not checked."""
 
 _NAME = re.compile(r"(?P<base>.+)/replica:(?P<replica>[A-Za-z0-9._-]+)(?:/seed:(?P<scope>\d+))?")
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """A torchft quorum that a replica took part in, as :class:`Attachment` records it.
+
+    Args:
+        quorum_id: the Lighthouse's quorum id (the same on every replica of the quorum).
+        step: the step it formed at (the peer's, for a replica that healed in it).
+        participants: how many replicas take part.
+        healed_from: the peer replica whose state this replica loaded in it; "" for none.
+    """
+
+    quorum_id: int
+    step: int
+    participants: int
+    healed_from: str = ""
 
 
 class Manager(Protocol):
@@ -77,6 +99,8 @@ class Manager(Protocol):
     def should_commit(self, *args: Any, **kwargs: Any) -> bool: ...
 
     def current_step(self) -> int: ...
+
+    def num_participants(self) -> int: ...
 
 
 _attached: weakref.WeakKeyDictionary[Any, Attachment] = weakref.WeakKeyDictionary()
@@ -101,6 +125,10 @@ class Attachment:
         self.asynchronous = bool(getattr(manager, "_use_async_quorum", False))
         """Whether the Manager runs its quorum asynchronously (torchft's
         ``use_async_quorum``, read from the Manager: it has no public accessor)."""
+        self.quorums: list[Quorum] = []
+        """The quorums this replica took part in, in order (each one it saw change)."""
+        self._healed_from = ""
+        self._unsent: list[Quorum] = []
         self._mark: dict[str, Any] | None = None
         # Where the streams stood at this replica's latest step boundary, and at the ones
         # before it: {step: {tag: digest}}, the newest last.
@@ -141,6 +169,7 @@ class Attachment:
         else:
             self.tracker.load_state_dict(start)
         self.heals += 1
+        self._healed_from = str(sent["replica"])
 
     def _replayed(self, start: dict[str, Any]) -> dict[str, Any]:
         """``start`` moved on by the ops this process drew since :meth:`mark`, as each op
@@ -239,6 +268,55 @@ class Attachment:
         self._history.move_to_end(step)
         while len(self._history) > HISTORY_STEPS:
             self._history.popitem(last=False)
+
+    def note_quorum(self, *, committed: bool) -> None:
+        """After a step's commit verdict (its quorum is complete then, under either quorum):
+        record the quorum when it is new, or when this replica healed in it, and send what
+        is unsent once this rank has joined a group."""
+        quorum_id = getattr(self.manager, "_quorum_id", None)  # no public accessor either
+        last = self.quorums[-1].quorum_id if self.quorums else None
+        participants = int(self.manager.num_participants())
+        if (
+            isinstance(quorum_id, int)
+            and quorum_id >= 0
+            and participants > 0  # 0: no quorum yet
+            and (quorum_id != last or self._healed_from)
+        ):
+            quorum = Quorum(
+                quorum_id=quorum_id,
+                step=self.manager.current_step() - (1 if committed else 0),
+                participants=participants,
+                healed_from=self._healed_from,
+            )
+            self.quorums.append(quorum)
+            self._unsent.append(quorum)
+            self._healed_from = ""
+        self._send_quorums()
+
+    def _send_quorums(self) -> None:
+        # One record per replica: its rank 0 sends, in the first group it joined (the
+        # coordinator keeps one record per epoch and quorum id, so a resend is harmless).
+        if self.tracker.rank != 0:
+            self._unsent.clear()
+            return
+        joined = next(iter(self.tracker.leases.items()), None)
+        if joined is None:
+            return  # before the first random op: sent at a later step's verdict
+        group, lease = joined
+        while self._unsent:
+            quorum = self._unsent[0]
+            self.tracker.client.record_quorum(
+                self.tracker.job,
+                group,
+                epoch=lease.epoch,
+                quorum_id=quorum.quorum_id,
+                step=quorum.step,
+                participants=quorum.participants,
+                healed_from=quorum.healed_from,
+                rank=lease.rank,
+                member_id=self.tracker.member_id,
+            )
+            self._unsent.pop(0)
 
     # -- the step ------------------------------------------------------------------------
 
@@ -339,6 +417,7 @@ def _wrap(manager: Manager, attachment: Attachment) -> None:
             attachment.committed()
         else:
             attachment.rewind()
+        attachment.note_quorum(committed=committed)
         return committed
 
     manager.start_quorum = start  # type: ignore[method-assign]
