@@ -41,6 +41,7 @@ class Storm:
         self.stop_file = workdir / "stop"
         self.outputs = [workdir / f"client-{p}.jsonl" for p in range(4)]
         self.errors = [workdir / f"client-{p}.err" for p in range(4)]
+        self.ready = [workdir / f"client-{p}.ready" for p in range(4)]
         self.processes: list[subprocess.Popen[bytes]] = []
         for p in range(4):
             rank = p % 2
@@ -48,7 +49,7 @@ class Storm:
             pair = GROUPS[2 * (p // 2) : 2 * (p // 2) + 2]
             cmd = [sys.executable, str(WORKER), "--job", JOB, "--world-size", "2"]
             cmd += ["--targets", f"{preferred.address},{other.address}"]
-            cmd += ["--stop", str(self.stop_file)]
+            cmd += ["--stop", str(self.stop_file), "--ready", str(self.ready[p])]
             for group in pair:
                 cmd += ["--member", f"{group}:{rank}"]
             with self.outputs[p].open("wb") as out, self.errors[p].open("wb") as err:
@@ -68,7 +69,9 @@ class Storm:
     def wait_for_progress(
         self, baseline: dict[tuple[str, int], int], timeout_s: float = 60
     ) -> None:
-        """Block until every member has LEASES_PER_PHASE more leases than in `baseline`."""
+        """Block until every member has LEASES_PER_PHASE more leases than in `baseline`,
+        within `timeout_s` of every client having joined."""
+        self.wait_joined()
         deadline = time.monotonic() + timeout_s
         while True:
             counts = self.lease_counts()
@@ -78,6 +81,19 @@ class Storm:
             assert not dead, f"a client exited early: {self.diagnostics()}"
             if time.monotonic() >= deadline:
                 raise AssertionError(f"no progress: {counts}; {self.diagnostics(stacks=True)}")
+            time.sleep(0.05)
+
+    def wait_joined(self, timeout_s: float = 300) -> None:
+        """Block until every client has joined all its groups. Starting one imports torch
+        (under rngcoord.client), which takes seconds alone and over a minute on 2 cores
+        beside a full suite: the phases' clocks start after it."""
+        deadline = time.monotonic() + timeout_s
+        while not all(ready.exists() for ready in self.ready):
+            dead = [p.args for p in self.processes if p.poll() is not None]
+            assert not dead, f"a client exited early: {self.diagnostics()}"
+            if time.monotonic() >= deadline:
+                stacks = self.diagnostics(stacks=True)
+                raise AssertionError(f"not joined in {timeout_s} s: {stacks}")
             time.sleep(0.05)
 
     def finish(self, *, clean: bool = True) -> list[dict[str, Any]]:
