@@ -25,6 +25,8 @@ FORBIDDEN = {
     "proto": ("rngcoord.server", "rngcoord.client", "torch"),
     "server": ("rngcoord.client", "torch"),
     "client": ("rngcoord.server",),
+    # The library every rank imports never loads the demo that lives beside it.
+    "client/rngcoord/client": ("rngcoord.server", "rngcoord.demo"),
 }
 
 

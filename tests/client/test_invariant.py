@@ -13,7 +13,8 @@ import torch
 from programs import run_threads, start_gloo
 
 from harness import run_cli, side_by_side
-from rngcoord.client import demo, portable
+from rngcoord import demo
+from rngcoord.client import portable
 
 pytestmark = pytest.mark.slow
 

@@ -67,6 +67,6 @@ def test_every_public_error_is_an_rngcoord_error() -> None:
 def test_importing_the_client_does_not_load_the_demo() -> None:
     # Every rank imports the client; the demo is for `rngcoord demo` alone. (torchft stays
     # out too: tests/test_layering.py.)
-    code = "import sys, rngcoord.client\nsys.exit('rngcoord.client.demo' in sys.modules)\n"
+    code = "import sys, rngcoord.client\nsys.exit('rngcoord.demo' in sys.modules)\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -15,7 +15,8 @@ import torch
 from test_invariant import BATCH, SEED, _full_masks
 
 from harness import run_cli
-from rngcoord.client import demo, replay
+from rngcoord import demo
+from rngcoord.client import replay
 from rngcoord.client.groups import mesh_of_name, policy_of
 from rngcoord.client.trace import OpTrace, read_trace
 from rngcoord.client.tracker import RNGStateTracker, resize_message

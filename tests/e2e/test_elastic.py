@@ -2,7 +2,7 @@
 
 examples/train_tp.py runs as 4 gloo ranks on CPU under torchrun (c10d rendezvous,
 --max-restarts=1) against a real coordinator subprocess, launched and checked through the
-functions that `rngcoord demo` uses (rngcoord.client.demo), so the demo and this test exercise
+functions that `rngcoord demo` uses (rngcoord.demo), so the demo and this test exercise
 one flow. A reference job runs uninterrupted; beside it, a second job with the same root seed
 crashes a rank mid-run, and torchelastic restarts it with --resume.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness import CoordinatorProcess, run_cli, side_by_side
-from rngcoord.client import demo
+from rngcoord import demo
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -1,7 +1,7 @@
 """End to end: a coordinator outage or a database failover mid-run costs a training job a
 wait, never the run (docs/design.md §6.2, docs/operations.md).
 
-examples/train_tp.py runs as 2 gloo ranks under torchrun (through rngcoord.client.demo, as
+examples/train_tp.py runs as 2 gloo ranks under torchrun (through rngcoord.demo, as
 the elastic test does). After step 21 the coordinator is SIGKILLed, and restarted on the same
 store 20 s (or 90 s) later; or the coordinator's PostgreSQL primary is SIGKILLed and its
 synchronous standby promoted. A reference run, on a coordinator of its own, runs meanwhile.
@@ -21,7 +21,7 @@ import pytest
 
 import pg_clusters
 from harness import CoordinatorFactory, CoordinatorProcess, run_cli
-from rngcoord.client import demo
+from rngcoord import demo
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -442,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="run a local elastic training demo against a fresh coordinator (needs the client "
         "extra: torch)",
-        description="Runs rngcoord.client.demo; `rngcoord demo --help` lists its flags.",
+        description="Runs rngcoord.demo; `rngcoord demo --help` lists its flags.",
     )
     replay = sub.add_parser(
         "replay",
@@ -657,8 +657,8 @@ class _Progress:
 
 def _client_command(name: str, args: Sequence[str]) -> int:
     # `demo` trains and `replay` draws with torch, which the server package never imports
-    # (the coordinator image has none): they live in the client package, and run in a
-    # process of their own.
+    # (the coordinator image has none): they live beside the client (rngcoord.demo, and
+    # rngcoord.client.replay), and run in a process of their own.
     missing = [
         module
         for module in ("torch", "rngcoord.client")
@@ -672,7 +672,8 @@ def _client_command(name: str, args: Sequence[str]) -> int:
         )
         return 2
     sys.stdout.flush()
-    cmd = [sys.executable, "-m", f"rngcoord.client.{name}", *args]
+    module = "rngcoord.demo" if name == "demo" else f"rngcoord.client.{name}"
+    cmd = [sys.executable, "-m", module, *args]
     return subprocess.run(cmd, check=False).returncode
 
 

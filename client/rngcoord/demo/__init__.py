@@ -22,7 +22,9 @@ this interpreter. It runs from a source checkout, where examples/ lives (or poin
 RNGCOORD_EXAMPLES at that folder). tests/e2e/test_elastic.py drives the same functions against
 a coordinator subprocess.
 
-Run it with ``rngcoord demo`` or ``python -m rngcoord.client.demo`` (same flags).
+Run it with ``rngcoord demo`` or ``python -m rngcoord.demo`` (same flags). It is a package of
+its own, beside the client library that every training rank imports: it needs the client,
+and no rank needs it.
 """
 
 from __future__ import annotations
@@ -778,7 +780,3 @@ def _example_args(spec: JobSpec) -> list[str]:
     if spec.resume:
         args.append("--resume")
     return ["examples/train_tp.py", *args]
-
-
-if __name__ == "__main__":
-    sys.exit(main())
