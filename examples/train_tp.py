@@ -53,7 +53,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from rngcoord.client import LeaseManager, OffsetBasedRNGTracker, init_mesh, install
-from rngcoord.client.tracker import resize_message
+from rngcoord.client.coordinated import resize_message
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 

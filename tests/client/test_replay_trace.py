@@ -17,9 +17,10 @@ from test_invariant import BATCH, SEED, _full_masks
 from harness import run_cli
 from rngcoord import demo
 from rngcoord.client import replay
+from rngcoord.client.coordinated import resize_message
 from rngcoord.client.groups import mesh_of_name, policy_of
 from rngcoord.client.trace import OpTrace, read_trace
-from rngcoord.client.tracker import RNGStateTracker, resize_message
+from rngcoord.client.tracker import RNGStateTracker
 from rngcoord.v1 import coordinator_pb2 as pb
 
 P = "p=0.25"  # train_tp.py's default --dropout

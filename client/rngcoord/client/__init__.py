@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from rngcoord.client.compat import SUPPORTED_TORCH
 from rngcoord.client.connection import CoordinatorClient
+from rngcoord.client.coordinated import OffsetBasedRNGTracker
 from rngcoord.client.errors import (
     AuthenticationError,
     CoordinatorUnavailable,
@@ -28,7 +29,7 @@ from rngcoord.client.errors import (
 )
 from rngcoord.client.install import init_mesh, install
 from rngcoord.client.leases import LeaseManager
-from rngcoord.client.tracker import OffsetBasedRNGTracker, RNGStateTracker
+from rngcoord.client.tracker import RNGStateTracker
 
 __all__ = [
     "SUPPORTED_TORCH",

@@ -19,10 +19,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from rngcoord.client import router
 from rngcoord.client.compat import check_torch
 from rngcoord.client.connection import CoordinatorClient
+from rngcoord.client.coordinated import OffsetBasedRNGTracker
 from rngcoord.client.devices import device_handle, dispatchable_backend
 from rngcoord.client.errors import InvalidRequest, RNGCoordError, refused
 from rngcoord.client.leases import ATTEST_MIN_S
-from rngcoord.client.tracker import CompiledOps, OffsetBasedRNGTracker, Policy
+from rngcoord.client.tracker import CompiledOps, Policy
 from rngcoord.v1.rules import RuleViolation, check_name
 
 logger = logging.getLogger(__name__)

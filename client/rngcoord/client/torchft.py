@@ -54,10 +54,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rngcoord.client.coordinated import OffsetBasedRNGTracker, scoped_name
 from rngcoord.client.errors import InvalidRequest
 from rngcoord.client.groups import replica_name
 from rngcoord.client.leases import INITIAL_DIGEST
-from rngcoord.client.tracker import OffsetBasedRNGTracker, scoped_name
 from rngcoord.v1.seeds import group_seed
 
 __all__ = ["HISTORY_STEPS", "STATE_KEY", "Attachment", "Quorum", "attach"]

@@ -235,7 +235,7 @@ def _run(tensors: Sequence[torch.Tensor], recipe: str) -> list[torch.Tensor]:
     kwargs = {k: _decode(v, tensors) for k, v in r.kwargs.items()}
     if r.inplace:
         args[0] = args[0].clone()  # the op is functional: draw into a copy
-    # The tracker fingerprints the op by this local (tracker._CALLERS names this frame).
+    # The tracker fingerprints the op by this local (callers._CALLERS names this frame).
     op_call = r.caller  # noqa: F841
     with get_tracker().region(spec, None, sys._getframe()):
         out = r.op(*args, **kwargs)
