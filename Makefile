@@ -61,12 +61,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || \
 		echo "    (a few modules written for newer Pythons did not compile; none is imported)"
 	rm -f $(VENV)/.installed-torch-*
-	touch $@
+	touch $@ $(PACKAGES)
 	@echo "==> $(VENV) is ready (torch $(TORCH_VERSION))"
 
-venv: $(STAMP)
+# The editable install maps the top-level packages it saw when it ran (setuptools' finder), so
+# a package added since (rngcoord.demo was, in 8f1f968) stays unimportable in an older .venv.
+# Adding or removing one changes its root folder's time: the install runs again (~15 s).
+PACKAGES := $(VENV)/.packages
+$(PACKAGES): $(STAMP) proto/rngcoord server/rngcoord client/rngcoord
+	@echo "==> a package was added or removed: installing rngcoord into $(VENV) again"
+	PIP_CONSTRAINT=$(VENV)/constraints.txt $(BIN)/pip install -q --no-deps -e . 2>&1 | $(PIP_QUIET)
+	touch $@
 
-demo: $(STAMP)
+venv: $(PACKAGES)
+
+demo: $(PACKAGES)
 	$(BIN)/rngcoord demo
 
 # The whole suite on two processes (pytest-xdist; idle workers steal queued tests, so the long
@@ -74,13 +83,13 @@ demo: $(STAMP)
 XDIST ?= -n 2 --dist worksteal
 # The project's own sources byte-compiled once, not in every subprocess (see the venv rule).
 PYC = $(BIN)/python -m compileall -q -j 0 client server tests examples bench >/dev/null
-test: $(STAMP)
+test: $(PACKAGES)
 	$(PYC)
 	$(BIN)/python -m pytest $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 # The fast tier: everything but the tests marked slow or e2e, on SQLite (the PostgreSQL cases
 # of the same tests run in `make test`), on two processes as `make test`; about a minute.
-test-fast: $(STAMP)
+test-fast: $(PACKAGES)
 	$(PYC)
 	$(BIN)/python -m pytest -m "not slow and not e2e" -k "not postgresql" $(XDIST) $(PYTEST_ARGS)
 
@@ -88,19 +97,19 @@ test-fast: $(STAMP)
 test-torch:
 	$(MAKE) test VENV=.venv-torch$(TORCH_VERSION) PYTEST_ARGS="$(TORCH_SUITE) $(PYTEST_ARGS)"
 
-bench: $(STAMP)
+bench: $(PACKAGES)
 	$(BIN)/python bench/coordinator.py --quick
 	$(BIN)/python bench/tracker.py
 	$(BIN)/python bench/portable.py
 	$(BIN)/python bench/heal.py
 
-lint: $(STAMP)
+lint: $(PACKAGES)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-proto: $(STAMP)
+proto: $(PACKAGES)
 	$(BIN)/python scripts/gen_proto.py
 
 clean:
