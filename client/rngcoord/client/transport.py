@@ -65,7 +65,9 @@ _OUTAGE_GAP_S = 30.0
 _ANNOUNCE_AFTER_S = 1.0
 _LAST_CHANCE_S = 2.0
 
-logger = logging.getLogger(__name__)
+# The outage messages' logger, as documented (docs/design.md §6.2) since this code lived in
+# connection.py: the name users configure, whichever module now holds it.
+logger = logging.getLogger("rngcoord.client.connection")
 
 
 _SECRETS: dict[str, bytes] = {}
