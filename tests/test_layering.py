@@ -87,13 +87,17 @@ def test_server_public_names_load_lazily() -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_the_torchft_integration_never_imports_torchft() -> None:
+def test_the_client_loads_neither_torchft_nor_the_demo() -> None:
     # torchft is an optional extra: rngcoord.client.torchft uses the Manager it is given.
+    # Every rank imports the client; the demo is for `rngcoord demo` alone. One process
+    # checks both (each import of torch costs seconds).
     code = (
-        "import sys, rngcoord.client, rngcoord.client.torchft\nsys.exit('torchft' in sys.modules)\n"
+        "import sys, rngcoord.client, rngcoord.client.torchft\n"
+        "loaded = [m for m in ('torchft', 'rngcoord.demo') if m in sys.modules]\n"
+        "sys.exit(f'importing rngcoord.client loaded {loaded}' if loaded else 0)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr or "importing rngcoord.client loaded torchft"
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.slow

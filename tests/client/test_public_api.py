@@ -5,8 +5,6 @@ to every training script that uses rngcoord: make it on purpose."""
 from __future__ import annotations
 
 import inspect
-import subprocess
-import sys
 
 import rngcoord.client as client
 from rngcoord.client import RNGCoordError
@@ -62,11 +60,3 @@ def test_every_public_error_is_an_rngcoord_error() -> None:
     ]
     assert len(errors) == 15
     assert all(issubclass(error, RNGCoordError) for error in errors)
-
-
-def test_importing_the_client_does_not_load_the_demo() -> None:
-    # Every rank imports the client; the demo is for `rngcoord demo` alone. (torchft stays
-    # out too: tests/test_layering.py.)
-    code = "import sys, rngcoord.client\nsys.exit('rngcoord.demo' in sys.modules)\n"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
