@@ -35,7 +35,6 @@ from rngcoord.client.errors import (
     StoreMismatchError,
 )
 from rngcoord.client.groups import (
-    REPLICA_PATTERN,
     GroupSpec,
     is_split_dim,
     mesh_of_name,
@@ -60,6 +59,7 @@ from rngcoord.client.tracker import (
     check_in_mesh,
     streams_of,
 )
+from rngcoord.v1.rules import REPLICA_PATTERN
 from rngcoord.v1.seeds import group_seed
 from rngcoord.v1.types import JoinResult
 

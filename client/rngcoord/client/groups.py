@@ -226,10 +226,6 @@ _MESH_NAME = re.compile(
 )
 
 
-REPLICA_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,47}")
-"""Replica names (install's ``replica``, torchft's REPLICA_GROUP_ID): 1 to 48 characters."""
-
-
 def replica_name(name: str, replica: str) -> str:
     """The name of group ``name`` among replica ``replica``'s groups: ``name`` with
     ``/replica:<replica>`` appended, or a digest of ``name`` where that would be too long for

@@ -46,7 +46,6 @@ This module never imports torchft: it calls the Manager's public methods only, a
 from __future__ import annotations
 
 import hashlib
-import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -58,6 +57,7 @@ from rngcoord.client.coordinated import OffsetBasedRNGTracker, scoped_name
 from rngcoord.client.errors import InvalidRequest
 from rngcoord.client.groups import replica_name
 from rngcoord.client.leases import INITIAL_DIGEST
+from rngcoord.v1.rules import REPLICA_GROUP_PATTERN
 from rngcoord.v1.seeds import group_seed
 
 __all__ = ["HISTORY_STEPS", "STATE_KEY", "Attachment", "Quorum", "attach"]
@@ -68,8 +68,6 @@ STATE_KEY = "rngcoord"
 HISTORY_STEPS = 64
 """How many step boundaries a replica keeps, and sends, for a healing peer's check: a replica
 that heals after falling further behind than this is not checked."""
-
-_NAME = re.compile(r"(?P<base>.+)/replica:(?P<replica>[A-Za-z0-9._-]+)(?:/seed:(?P<scope>\d+))?")
 
 
 @dataclass(frozen=True)
@@ -426,7 +424,7 @@ def _wrap(manager: Manager, attachment: Attachment) -> None:
 
 def _counterpart(tag: str, peer: str, ours: str) -> str:
     """Our group for the peer's group ``tag``."""
-    m = _NAME.fullmatch(tag)
+    m = REPLICA_GROUP_PATTERN.fullmatch(tag)
     if m is None or m["replica"] != peer:
         raise InvalidRequest(
             f"stream {tag!r} of replica {peer!r}'s state is not one of that replica's groups "

@@ -26,6 +26,8 @@ __all__ = [
     "MEMBER_ID_PATTERN",
     "MIN_SECRET",
     "NAME_PATTERN",
+    "REPLICA_GROUP_PATTERN",
+    "REPLICA_PATTERN",
     "U64_LIMIT",
     "RuleViolation",
     "check_attested_ops",
@@ -72,6 +74,15 @@ NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@,\[\]-]{0,127}")
 
 MEMBER_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 """Member ids: one process incarnation, for example a UUID."""
+
+REPLICA_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,47}")
+"""Replica names (a torchft replica group, install's ``replica``): 1 to 48 characters."""
+
+REPLICA_GROUP_PATTERN: Final = re.compile(
+    rf"(?P<base>.+)/replica:(?P<replica>{REPLICA_PATTERN.pattern})(?:/seed:(?P<scope>\d+))?"
+)
+"""A replica's group: the group ``base`` among replica ``replica``'s groups, with a
+manual_seed ``scope`` or not (the client names them; RecordQuorum accepts only these)."""
 
 
 class RuleViolation(ValueError):

@@ -12,22 +12,22 @@ job's groups, are its participants.
 from __future__ import annotations
 
 import functools
-import re
 
 from rngcoord.server.core.context import Handler
 from rngcoord.server.core.membership import Caller, fields, read_member
 from rngcoord.server.errors import InvalidArgument
 from rngcoord.server.storage import queries
 from rngcoord.server.storage.store import Tx
-from rngcoord.v1.rules import MAX_SEQ, MAX_WORLD_SIZE, RuleViolation, check_u64
+from rngcoord.v1.rules import (
+    MAX_SEQ,
+    MAX_WORLD_SIZE,
+    REPLICA_GROUP_PATTERN,
+    REPLICA_PATTERN,
+    RuleViolation,
+    check_u64,
+)
 
-__all__ = ["REPLICA_GROUP", "Quorums"]
-
-REPLICA_GROUP = re.compile(r".+/replica:(?P<replica>[A-Za-z0-9][A-Za-z0-9._-]{0,47})(?:/seed:\d+)?")
-"""A replica's group name, as the client names them (``<group>/replica:<name>``, with a
-manual_seed scope or not); `replica` is the replica's name."""
-
-_REPLICA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,47}")
+__all__ = ["Quorums"]
 
 
 class Quorums(Handler):
@@ -50,7 +50,7 @@ class Quorums(Handler):
             NotFound, StaleEpoch, NotMember, PermissionDenied: as for Reserve.
         """
         caller.check()
-        replica = REPLICA_GROUP.fullmatch(caller.group)
+        replica = REPLICA_GROUP_PATTERN.fullmatch(caller.group)
         if replica is None:
             raise InvalidArgument(
                 f"group {caller.group!r} is not a replica's group (…/replica:NAME): quorums "
@@ -64,7 +64,7 @@ class Quorums(Handler):
                 raise RuleViolation("step", step, "be in [0, 2^63)")
             if not 1 <= participants <= MAX_WORLD_SIZE:
                 raise RuleViolation("participants", participants, f"be in [1, {MAX_WORLD_SIZE}]")
-            if healed_from and _REPLICA_NAME.fullmatch(healed_from) is None:
+            if healed_from and REPLICA_PATTERN.fullmatch(healed_from) is None:
                 raise RuleViolation(
                     "healed_from", healed_from, "be a replica name (1 to 48 of A-Z a-z 0-9 . _ -)"
                 )
