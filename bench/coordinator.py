@@ -13,7 +13,7 @@ What runs, all in one invocation so that the figures are measured side by side:
    one is a new grant, committed before the reply. "hits": each call repeats one of 8 leases
    granted during setup, answered from a read. "durable-session": the durable calls as
    messages on one Session stream per client process, as install()'s client sends them
-   (rngcoord.client.session). Client i talks to replica i mod N.
+   (rngcoord.client._session). Client i talks to replica i mod N.
 3. The transport's ceiling: the hits workload against a no-op servicer (constant replies) on
    the coordinator's thread pool, started by this script (`serve-noop`).
 4. The baselines: the same two workloads as bare SQL transactions, no gRPC, one connection per
@@ -65,7 +65,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import grpc
 
-from rngcoord.client.session import SessionStub
+from rngcoord.client._session import SessionStub
 from rngcoord.server.addresses import redact_url
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rngcoord.client import CoordinatorClient, LeaseManager
-from rngcoord.client.leases import LeaseSchedule, StreamState
+from rngcoord.client._leases import LeaseSchedule, StreamState
 from tracker import start_coordinator
 
 SEED = 0x4EA1

@@ -5,7 +5,7 @@ float32 values (``--log2-size``):
 
 - **rand**: ``portable_fill_("uniform_", ...)`` into a preallocated tensor vs ``torch.rand``.
 - **randn**: ``portable_fill_("normal_", ...)`` vs ``torch.randn``.
-- **dropout**: ``portable.dropout`` (output and mask, p=0.1) vs ``torch.native_dropout``.
+- **dropout**: ``_portable.dropout`` (output and mask, p=0.1) vs ``torch.native_dropout``.
 
 Each figure is the median of ``--trials`` timed runs after one warm-up (CUDA synchronized
 around each); ``--threads`` sets torch's CPU threads for both sides. The portable ops run
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rngcoord.client import portable
+from rngcoord.client import _portable
 
 SEED = 0x5EED_0F_7E57
 P_DROP = 0.1
@@ -65,15 +65,15 @@ def cases(
     }
     return {
         "rand": (
-            lambda: portable.portable_fill_("uniform_", out, **where),
+            lambda: _portable.portable_fill_("uniform_", out, **where),
             lambda: torch.rand(n, device=device),
         ),
         "randn": (
-            lambda: portable.portable_fill_("normal_", out, **where),
+            lambda: _portable.portable_fill_("normal_", out, **where),
             lambda: torch.randn(n, device=device),
         ),
         "dropout": (
-            lambda: portable.dropout(SEED, 0, (n,), None, x, p=P_DROP),
+            lambda: _portable.dropout(SEED, 0, (n,), None, x, p=P_DROP),
             lambda: torch.native_dropout(x, P_DROP, True),
         ),
     }

@@ -439,7 +439,7 @@ def model_trace_reserves(address: str, steps: int, warmup: int) -> dict[str, Any
     simulated step a second (the manager's clock moves 1/288 s per op; the ops themselves
     run as fast as they can)."""
     from rngcoord.client import CoordinatorClient, LeaseManager
-    from rngcoord.client.leases import HEARTBEAT_S
+    from rngcoord.client._leases import HEARTBEAT_S
 
     layer = [
         (b"dropout(8, 64, 4096, 4096)", 8 * 64 * 4096 * 4096),

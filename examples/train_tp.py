@@ -53,7 +53,6 @@ from torch.distributed.tensor.parallel import (
 )
 
 from rngcoord.client import LeaseManager, OffsetBasedRNGTracker, init_mesh, install
-from rngcoord.client.coordinated import resize_message
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 
@@ -329,7 +328,9 @@ def main(argv: list[str] | None = None) -> None:
                 for saved, current in tracker.unrestorable.items():
                     log(
                         f"resuming after step {done} from {path}: model and optimizer "
-                        f"restored, but {resize_message(saved, current)}"
+                        f"restored, but its random stream cannot rewind onto another mesh: it "
+                        f"was saved in group {saved!r}, and this mesh draws from {current!r} "
+                        "(the tracker's RuntimeWarning says what that does to the draws)"
                     )
             else:
                 log(f"resuming after step {done} from {path}; the random stream rewinds with it")

@@ -63,7 +63,7 @@ import torch.distributed as dist
 import torch.distributed.tensor as dt
 import torch.distributed.tensor._random as dtensor_random
 from rngcoord.client import init_mesh, install, philox, portable
-from rngcoord.client.devices import pack_philox, unpack_philox
+from rngcoord.client._devices import pack_philox, unpack_philox
 from torch.distributed.tensor import Replicate, Shard
 
 WORLD = 2

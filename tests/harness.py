@@ -554,7 +554,7 @@ class InProcess:
 
 def secret_for(member_id: str) -> bytes:
     """The member secret the tests' members join with: one per member id, known to the test
-    (a client draws its own at random: rngcoord.client.connection.member_secret)."""
+    (a client draws its own at random: rngcoord.client._connection.member_secret)."""
     return hashlib.sha256(b"test-secret:" + member_id.encode()).digest()
 
 

@@ -32,7 +32,7 @@ from rngcoord.client import (
     RNGCoordError,
     StaleEpochError,
 )
-from rngcoord.client.connection import adopt_member_secret
+from rngcoord.client._connection import adopt_member_secret
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 from rngcoord.v1.rules import DOMAIN, MAX_OFFSET

@@ -186,7 +186,7 @@ def meta_tensor_init(env: Env) -> None:
 
 
 def _linear_weights_differ(env: Env, weight: Any) -> None:
-    from rngcoord.client.router import TrackerRouter
+    from rngcoord.client._router import TrackerRouter
 
     assert isinstance(random._rng_tracker, random.OffsetBasedRNGTracker)
     assert isinstance(random._rng_tracker, TrackerRouter)

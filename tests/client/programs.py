@@ -250,7 +250,7 @@ def semantics(ctx: Ctx) -> dict[str, Any]:
     from torch.distributed.tensor import Shard as S
 
     from rngcoord.client import RNGStateTracker, init_mesh, install
-    from rngcoord.client.router import register, unregister
+    from rngcoord.client._router import register, unregister
 
     mesh = init_mesh((2, 2), ("dp", "tp"), "cpu")
     addr, seed, lease, prefix = (ctx.args[k] for k in ("addr", "seed", "lease_size", "prefix"))
@@ -271,7 +271,7 @@ def semantics(ctx: Ctx) -> dict[str, Any]:
     out["stats"] = {name: vars(m.stats).copy() for name, m in a.leases.items()}
     import torch.distributed.tensor._random as dtensor_random
 
-    from rngcoord.client.router import TrackerRouter
+    from rngcoord.client._router import TrackerRouter
 
     router = dtensor_random._rng_tracker
     assert isinstance(router, TrackerRouter)
@@ -534,7 +534,7 @@ def restart(ctx: Ctx) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate as R
 
     from rngcoord.client import RNGStateTracker, init_mesh, install
-    from rngcoord.client.router import register, unregister
+    from rngcoord.client._router import register, unregister
 
     mesh = init_mesh((ctx.world,), ("dp",), "cpu")
     tracker = install(mesh, ctx.args["addr"], job="restart", seed=5, lease_size=256, outage_s=30.0)
@@ -984,7 +984,7 @@ def fake_device(ctx: Ctx) -> dict[str, Any]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from rngcoord.client import OffsetsExhausted, init_mesh, install
-    from rngcoord.client.tracker import shard_offsets
+    from rngcoord.client._tracker import shard_offsets
 
     fake = fake_gpu()
     mesh = init_mesh((2, 2), ("dp", "tp"), "fakegpu")

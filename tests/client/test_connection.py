@@ -21,7 +21,7 @@ from rngcoord.client import (
     InvalidRequest,
     JoinTimeoutError,
     NotFoundError,
-    connection,
+    _connection,
 )
 from rngcoord.v1.types import members_digest
 
@@ -146,7 +146,7 @@ def test_client_configuration_from_environment(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv("RNGCOORD_ADDR")
     monkeypatch.delenv("RNGCOORD_TOKEN")
     with CoordinatorClient() as client:
-        assert client.targets == (connection.DEFAULT_ADDR,)
+        assert client.targets == (_connection.DEFAULT_ADDR,)
         assert client._metadata == ()
     with pytest.raises(InvalidRequest, match="RNGCOORD_ADDR"):
         CoordinatorClient(" , ")

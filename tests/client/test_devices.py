@@ -1,4 +1,4 @@
-"""rngcoord.client.devices: the CPU mixing function and generator states, Philox packing,
+"""rngcoord.client._devices: the CPU mixing function and generator states, Philox packing,
 the dispatchable backend string and device handles. No coordinator or process group needed."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 from rngcoord.client import (
     InvalidRequest,
     OffsetsExhausted,
-    devices,
+    _devices,
 )
-from rngcoord.client.devices import CPUStateWriter, cpu_key
+from rngcoord.client._devices import CPUStateWriter, cpu_key
 
 
 def test_docstring_examples() -> None:
     """The worked examples in the module's docstrings hold."""
-    result = doctest.testmod(devices, raise_on_error=False)
+    result = doctest.testmod(_devices, raise_on_error=False)
     assert result.attempted > 0 and result.failed == 0
 
 
@@ -65,26 +65,26 @@ def test_cpu_state_uses_all_64_bits_of_the_key() -> None:
 
 
 def test_philox_packing() -> None:
-    state = devices.pack_philox((1 << 64) - 1, (1 << 63) - 4)
+    state = _devices.pack_philox((1 << 64) - 1, (1 << 63) - 4)
     assert len(state) == 16
     tensor = torch.frombuffer(bytearray(state), dtype=torch.uint8)
-    assert devices.unpack_philox(tensor) == ((1 << 64) - 1, (1 << 63) - 4)
+    assert _devices.unpack_philox(tensor) == ((1 << 64) - 1, (1 << 63) - 4)
     # _PhiloxState's view of the same bytes: seed uint64 at [0:8], offset int64 at [8:16].
     assert int(tensor[8:].view(torch.int64)) == (1 << 63) - 4
     with pytest.raises(OffsetsExhausted, match="signed 64-bit"):
-        devices.pack_philox(1, 1 << 63)
+        _devices.pack_philox(1, 1 << 63)
 
 
 def test_dispatchable_backend_from_torch_registry() -> None:
-    assert devices.dispatchable_backend(["cpu"]) == "cpu:gloo"
-    assert devices.dispatchable_backend(["cuda"]) == "cpu:gloo,cuda:nccl"
-    assert devices.dispatchable_backend(["cuda", "cpu", "cuda"]) == "cpu:gloo,cuda:nccl"
-    assert devices.dispatchable_backend(["xpu"]) == "cpu:gloo,xpu:xccl"
+    assert _devices.dispatchable_backend(["cpu"]) == "cpu:gloo"
+    assert _devices.dispatchable_backend(["cuda"]) == "cpu:gloo,cuda:nccl"
+    assert _devices.dispatchable_backend(["cuda", "cpu", "cuda"]) == "cpu:gloo,cuda:nccl"
+    assert _devices.dispatchable_backend(["xpu"]) == "cpu:gloo,xpu:xccl"
     with pytest.raises(InvalidRequest, match="register_backend"):
-        devices.dispatchable_backend(["nosuchdevice"])
+        _devices.dispatchable_backend(["nosuchdevice"])
 
 
 def test_device_handles() -> None:
-    assert devices.device_handle("cpu") is None
-    assert devices.device_handle("cuda") is torch.cuda
-    assert devices.device_handle("nosuchdevice") is None
+    assert _devices.device_handle("cpu") is None
+    assert _devices.device_handle("cuda") is torch.cuda
+    assert _devices.device_handle("nosuchdevice") is None

@@ -1,6 +1,6 @@
 """A TP MLP compiled block by block with ``fullgraph=True``, as torchtitan compiles
 transformer blocks, draws what eager draws: DTensor dropout inside compiled graphs goes
-through ``rngcoord::draw`` (rngcoord.client.traced), bit for bit, with the lease cursors
+through ``rngcoord::draw`` (rngcoord.client._traced), bit for bit, with the lease cursors
 moving alike.
 
 Two gloo processes run tests/client/compile_programs.py's ``fullgraph_mlp`` on a 2-rank TP

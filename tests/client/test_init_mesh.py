@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ports import free_port
-from rngcoord.client.install import choose_device_type
+from rngcoord.client._install import choose_device_type
 
 RANK_PROGRAM = textwrap.dedent(
     """

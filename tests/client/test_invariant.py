@@ -1,6 +1,6 @@
 """The sharding_invariant policy end to end: the same DTensor ops on meshes 1, 2x1, 2x2 and 4,
 in processes and in threads, give bitwise-equal global tensors, equal to what one device
-draws with rngcoord.client.portable; and an elastic resize from 4 ranks to 2 with --resume
+draws with rngcoord.client._portable; and an elastic resize from 4 ranks to 2 with --resume
 reproduces the uninterrupted run's dropout masks bitwise."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from programs import run_threads, start_gloo
 
 from harness import run_cli, side_by_side
 from rngcoord import demo
-from rngcoord.client import portable
+from rngcoord.client import _portable
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def test_same_values_on_every_mesh(coordinator: Any, tmp_path: Path) -> None:
                 assert torch.equal(result[op], reference[op]), (name, rank, op)
     assert list(reference["groups"]) == ["invariant"]
     # The first op is what one device draws at the stream's start, from the group's seed.
-    expected = portable.uniform(_group_seed(), 0, (6, 5), None, dtype=torch.float32).values
+    expected = _portable.uniform(_group_seed(), 0, (6, 5), None, dtype=torch.float32).values
     assert torch.equal(reference["rand0"], expected)
     # Values differ between ops: the stream moves on.
     assert not torch.equal(reference["rand0"], reference["rand1"])

@@ -1,4 +1,4 @@
-"""What names a launch (rngcoord.client.install.launch_id), against a real coordinator.
+"""What names a launch (rngcoord.client._install.launch_id), against a real coordinator.
 
 The case that matters is the container restart of docker-compose.yml: Docker restarts a
 crashed trainer container, whose torchrun --standalone draws a new run id and counts restarts
@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from harness import CoordinatorProcess
-from rngcoord.client.connection import CoordinatorClient
-from rngcoord.client.errors import FailedPreconditionError, StaleEpochError
-from rngcoord.client.install import launch_id
+from rngcoord.client._connection import CoordinatorClient
+from rngcoord.client._errors import FailedPreconditionError, StaleEpochError
+from rngcoord.client._install import launch_id
 from rngcoord.v1.types import JoinResult
 
 JOB = "launch-names"

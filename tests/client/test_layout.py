@@ -1,5 +1,5 @@
-"""The shard layout (rngcoord.client.tracker.shard_offsets) and sub-mesh groups
-(rngcoord.client.groups.stream_group), checked as properties over shapes, placements and 1-D,
+"""The shard layout (rngcoord.client._tracker.shard_offsets) and sub-mesh groups
+(rngcoord.client._groups.stream_group), checked as properties over shapes, placements and 1-D,
 2-D and 3-D meshes, seen from every rank.
 
 The meshes are real DeviceMeshes of a one-process gloo group, built for each simulated rank
@@ -27,8 +27,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ports import free_port
-from rngcoord.client.groups import invariant_group, stream_group
-from rngcoord.client.tracker import shard_offsets
+from rngcoord.client._groups import invariant_group, stream_group
+from rngcoord.client._tracker import shard_offsets
 
 MESHES = [(1,), (2,), (4,), (3,), (2, 2), (4, 2), (2, 3), (2, 2, 2)]
 

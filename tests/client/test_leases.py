@@ -26,7 +26,7 @@ from rngcoord.client import (
     LeaseManager,
     StaleEpochError,
 )
-from rngcoord.client.leases import FINGERPRINT_BYTES, INITIAL_DIGEST, LeaseSchedule, StreamState
+from rngcoord.client._leases import FINGERPRINT_BYTES, INITIAL_DIGEST, LeaseSchedule, StreamState
 from rngcoord.v1.types import JoinResult
 
 # (op key, size in offsets): sizes below, at, and well above the lease sizes used.

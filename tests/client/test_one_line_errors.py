@@ -24,7 +24,7 @@ _PROGRAM = textwrap.dedent(
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from rngcoord.client import install
-    from rngcoord.client.install import install_excepthook
+    from rngcoord.client._install import install_excepthook
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

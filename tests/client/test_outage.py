@@ -24,7 +24,7 @@ import pytest
 from harness import CoordinatorProcess, run_cli
 from ports import closed_address
 from rngcoord.client import CoordinatorClient, CoordinatorUnavailable, LeaseManager
-from rngcoord.client.leases import LeaseSchedule
+from rngcoord.client._leases import LeaseSchedule
 from rngcoord.v1.types import JoinResult
 
 # Small leases, so that the ops below need new ones during the outage.

@@ -24,9 +24,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement
 
-from rngcoord.client import converters, philox, portable
-from rngcoord.client.philox import KNOWN_ANSWERS, philox4x32, philox_blocks
-from rngcoord.client.portable import (
+from rngcoord.client import _converters, _philox, _portable
+from rngcoord.client._philox import KNOWN_ANSWERS, philox4x32, philox_blocks
+from rngcoord.client._portable import (
     SUPPORTED_OPS,
     bernoulli,
     bernoulli_tensor,
@@ -43,7 +43,7 @@ FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 SEED = 0x9E3779B97F4A7C15
 
 Ranges = list[tuple[int, int]]
-Drawer = Callable[[tuple[int, ...], Ranges | None], portable.Draw]
+Drawer = Callable[[tuple[int, ...], Ranges | None], _portable.Draw]
 
 
 def reference_philox(ctr: Sequence[int], key: Sequence[int]) -> tuple[int, ...]:
@@ -111,7 +111,7 @@ def test_both_paths_match_the_reference_on_random_counters() -> None:
         expected = reference_philox([c[j] for c in ctrs], key)
         assert tuple(int(w[j]) for w in fast) == expected
         assert tuple(int(w[j]) for w in exact) == expected
-    assert philox.fast_path_ok(torch.device("cpu"))
+    assert _philox.fast_path_ok(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("base", [0, 5, (1 << 32) - 3, (1 << 63) + 11, (1 << 64) - 8])
@@ -137,7 +137,7 @@ def test_blocks_reject_out_of_range_seed_and_offset(seed: int, base: int) -> Non
 
 
 def test_worked_example() -> None:
-    """philox.py's docstring: element (1, 3) of a (3, 5) float32 uniform_ at offset 10."""
+    """_philox.py's docstring: element (1, 3) of a (3, 5) float32 uniform_ at offset 10."""
     seed = 0x0000000500000007
     draw = uniform(seed, 10, (3, 5), [(0, 3), (2, 2)])
     assert words_at(seed, 12) == (0x53141B03, 0xB4116E67, 0x46BC994D, 0x4DEC45A4)
@@ -195,11 +195,11 @@ def draws(dtype: torch.dtype, device: str = "cpu") -> dict[str, Drawer]:
     return out
 
 
-def dropout_draw(shape: tuple[int, ...], ranges: Ranges | None, device: str) -> portable.Draw:
+def dropout_draw(shape: tuple[int, ...], ranges: Ranges | None, device: str) -> _portable.Draw:
     full = torch.arange(1, math.prod(shape) + 1, dtype=torch.float32).reshape(shape)
     local = full[tuple(slice(a, a + n) for a, n in ranges)] if ranges is not None else full
     output, _, offsets = dropout(SEED, 7, shape, ranges, local.to(device), p=0.4)
-    return portable.Draw(output, offsets)
+    return _portable.Draw(output, offsets)
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
@@ -337,7 +337,7 @@ def test_uniform_is_in_zero_one(dtype: torch.dtype) -> None:
     assert values.min().item() >= 0.0
     assert values.max().item() < 1.0
     # The largest word gives the largest value below 1.
-    _, convert = converters.uniform_converter(dtype)
+    _, convert = _converters.uniform_converter(dtype)
     top = torch.tensor([0xFFFFFFFF], dtype=torch.int64)
     assert convert((top, top, top, top)).max().item() < 1.0
     assert 0.45 < values.double().mean().item() < 0.55
@@ -376,15 +376,15 @@ def test_portable_log_and_angles_are_accurate() -> None:
     ):
         x = u.to(dtype)
         exact = torch.log(x.double())
-        assert ((converters.log(x, log_terms).double() - exact).abs() <= tol * exact.abs()).all()
-        cos, sin = converters.angle(quadrant, t.to(dtype), trig_terms)
+        assert ((_converters.log(x, log_terms).double() - exact).abs() <= tol * exact.abs()).all()
+        cos, sin = _converters.angle(quadrant, t.to(dtype), trig_terms)
         angle = quadrant.double() * (math.pi / 2) + t.to(dtype).double()
         assert (sin.double() - torch.sin(angle)).abs().max().item() < tol
         assert (cos.double() - torch.cos(angle)).abs().max().item() < tol
 
 
 def numpy_normal(words: Any, dtype: Any) -> Any:
-    """portable.py's Box-Muller table row, in numpy (whose float ops are IEEE), [m, 4] -> [m, E].
+    """_portable.py's Box-Muller table row, in numpy (whose float ops are IEEE), [m, 4] -> [m, E].
 
     If torch's CPU ops were not all exactly rounded (torch.sqrt is not), torch's result would
     differ from this one, and from CUDA's.

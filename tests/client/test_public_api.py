@@ -5,6 +5,7 @@ to every training script that uses rngcoord: make it on purpose."""
 from __future__ import annotations
 
 import inspect
+import pkgutil
 
 import rngcoord.client as client
 from rngcoord.client import RNGCoordError
@@ -60,3 +61,11 @@ def test_every_public_error_is_an_rngcoord_error() -> None:
     ]
     assert len(errors) == 15
     assert all(issubclass(error, RNGCoordError) for error in errors)
+
+
+def test_every_other_module_is_private() -> None:
+    # Files behind the public names may move: only rngcoord.client itself and its torchft
+    # integration (imported on its own, torchft being an optional extra) are public modules.
+    modules = [m.name for m in pkgutil.iter_modules(client.__path__)]
+    assert [name for name in modules if not name.startswith("_")] == ["torchft"]
+    assert len(modules) > 20

@@ -37,7 +37,7 @@ upstream's ``torch.compile(..., fullgraph=True)``. The deviations that remain, a
   test_deterministic_rand_1d seeds ranks differently before the Replicate draw, to show it.
 - test_compile_*: upstream compares device RNG states and expects ``run_dtensor_rng_op`` in
   the graph. Under rngcoord the graph holds ``rngcoord::draw`` behind effect tokens, which
-  draws from the leases when the graph runs (rngcoord.client.traced), so: compiled
+  draws from the leases when the graph runs (rngcoord.client._traced), so: compiled
   (aot_eager and inductor with ``fallback_random``, ``fullgraph=True``) == eager bitwise over
   3 calls, the lease cursors move identically (in place of RNG states), and the aot_eager
   graphs hold ``rngcoord::draw`` in ``with_effects`` and no ``run_dtensor_rng_op``.

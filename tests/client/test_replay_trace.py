@@ -16,11 +16,11 @@ from test_invariant import BATCH, SEED, _full_masks
 
 from harness import run_cli
 from rngcoord import demo
-from rngcoord.client import replay
-from rngcoord.client.coordinated import resize_message
-from rngcoord.client.groups import mesh_of_name, policy_of
-from rngcoord.client.trace import OpTrace, read_trace
-from rngcoord.client.tracker import RNGStateTracker
+from rngcoord.client import _replay
+from rngcoord.client._coordinated import resize_message
+from rngcoord.client._groups import mesh_of_name, policy_of
+from rngcoord.client._trace import OpTrace, read_trace
+from rngcoord.client._tracker import RNGStateTracker
 from rngcoord.v1 import coordinator_pb2 as pb
 
 P = "p=0.25"  # train_tp.py's default --dropout
@@ -46,15 +46,15 @@ def test_policy_shows_in_group_names() -> None:
 def test_replay_refuses_offsets_groups_naming_the_policy() -> None:
     lines = _export("j", {"tp:4[0-3]": 5})
     with pytest.raises(ValueError, match="offsets policy") as e:
-        replay.group_facts(lines, "j", "tp:4[0-3]")
+        _replay.group_facts(lines, "j", "tp:4[0-3]")
     assert "sharding_invariant" in str(e.value)
     # The default group on an offsets job: the policy is named, not the export's time window.
     with pytest.raises(ValueError, match="no sharding_invariant group") as e:
-        replay.group_facts(lines, "j", "invariant")
+        _replay.group_facts(lines, "j", "invariant")
     assert "tp:4[0-3]" in str(e.value) and "time window" not in str(e.value)
     with pytest.raises(ValueError, match="no record of job 'other'"):
-        replay.group_facts(lines, "other", "invariant")
-    assert replay.group_facts(_export("j", {"invariant": 7}), "j", "invariant") == (7, [])
+        _replay.group_facts(lines, "other", "invariant")
+    assert _replay.group_facts(_export("j", {"invariant": 7}), "j", "invariant") == (7, [])
 
 
 def test_trace_records_every_op_and_replay_reads_it(tmp_path: Path) -> None:
@@ -66,7 +66,7 @@ def test_trace_records_every_op_and_replay_reads_it(tmp_path: Path) -> None:
     text = (tmp_path / "t-3.jsonl").read_text()
     records = read_trace(text)
     assert [r["op_index"] for r in records] == [0, 1] and records[1]["rank"] == 3
-    op = replay.traced_op(text, 1)
+    op = _replay.traced_op(text, 1)
     assert (op.group, op.cursor, op.op, op.shape, op.dtype) == (
         "invariant",
         128,
@@ -75,12 +75,12 @@ def test_trace_records_every_op_and_replay_reads_it(tmp_path: Path) -> None:
         "float32",
     )
     with pytest.raises(ValueError, match="no op 2"):
-        replay.traced_op(text, 2)
+        _replay.traced_op(text, 2)
     offsets = OpTrace(tmp_path / "o.jsonl", 0, "offsets")
     offsets.record("tp:2[0-1]", 0, 512, (8, 64), "float32", "aten.native_dropout.default")
     offsets.close()
     with pytest.raises(ValueError, match="offsets policy"):
-        replay.traced_op((tmp_path / "o.jsonl").read_text(), 0)
+        _replay.traced_op((tmp_path / "o.jsonl").read_text(), 0)
 
 
 def test_trace_is_off_by_default() -> None:

@@ -30,7 +30,7 @@ from programs import run_threads, run_threads_async, start_gloo, wait_file
 
 from harness import CoordinatorProcess, run_cli
 from rngcoord.client import CoordinatorClient
-from rngcoord.client.leases import LeaseSchedule
+from rngcoord.client._leases import LeaseSchedule
 from rngcoord.v1.rules import ATTEST_EVERY
 
 pytestmark = pytest.mark.slow

@@ -32,7 +32,7 @@ if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 from rngcoord.client import CoordinatorClient
-from rngcoord.client.connection import member_secret
+from rngcoord.client._connection import member_secret
 
 FINGERPRINT = b"\x01" * 16
 

@@ -17,7 +17,7 @@ from replica_client import FINGERPRINT, lease_size
 
 from harness import CoordinatorProcess, run_cli
 from rngcoord.client import CoordinatorClient
-from rngcoord.client.connection import adopt_member_secret
+from rngcoord.client._connection import adopt_member_secret
 
 WORKER = Path(__file__).with_name("replica_client.py")
 

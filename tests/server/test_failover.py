@@ -29,7 +29,7 @@ from storm import JOB, Storm, check_agreement, check_read_back, check_verify
 import pg_clusters
 from harness import CoordinatorProcess, join_all, run_cli, secret_for
 from rngcoord.client import CoordinatorClient
-from rngcoord.client.connection import adopt_member_secret
+from rngcoord.client._connection import adopt_member_secret
 from rngcoord.server.errors import Unavailable
 from rngcoord.server.storage.postgres import PostgresStore
 from rngcoord.v1 import coordinator_pb2 as pb

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from harness import CoordinatorFactory, CoordinatorProcess, secret_for
-from rngcoord.client.session import SessionStub
+from rngcoord.client._session import SessionStub
 from rngcoord.server.addresses import peer_host
 from rngcoord.server.rpc.gate import PeerRateLimit
 from rngcoord.v1 import coordinator_pb2 as pb

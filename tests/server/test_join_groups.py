@@ -26,8 +26,8 @@ from harness import (
     join,
     secret_for,
 )
-from rngcoord.client.connection import CoordinatorClient
-from rngcoord.client.errors import InvalidRequest
+from rngcoord.client._connection import CoordinatorClient
+from rngcoord.client._errors import InvalidRequest
 from rngcoord.server.storage.sqlite import SqliteStore
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.status import error_info

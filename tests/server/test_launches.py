@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from harness import CoordinatorProcess
-from rngcoord.client.connection import CoordinatorClient
-from rngcoord.client.errors import FailedPreconditionError, StaleEpochError
-from rngcoord.client.leases import LeaseManager, LeaseSchedule
+from rngcoord.client._connection import CoordinatorClient
+from rngcoord.client._errors import FailedPreconditionError, StaleEpochError
+from rngcoord.client._leases import LeaseManager, LeaseSchedule
 from rngcoord.v1.types import JoinResult
 
 JOB = "launches"

@@ -21,9 +21,9 @@ import pytest
 from google.rpc import status_pb2
 
 from harness import CoordinatorFactory, CoordinatorProcess, LoopThread, join_all, secret_for
-from rngcoord.client.connection import CoordinatorClient
-from rngcoord.client.errors import RNGCoordError
-from rngcoord.client.session import SessionStub
+from rngcoord.client._connection import CoordinatorClient
+from rngcoord.client._errors import RNGCoordError
+from rngcoord.client._session import SessionStub
 from rngcoord.server.rpc import session
 from rngcoord.server.rpc.gate import StreamCaps
 from rngcoord.v1 import coordinator_pb2 as pb

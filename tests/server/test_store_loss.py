@@ -24,7 +24,7 @@ from rngcoord.client import (
     LeaseManager,
     StoreMismatchError,
 )
-from rngcoord.client.leases import LeaseSchedule
+from rngcoord.client._leases import LeaseSchedule
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1.status import error_info
 

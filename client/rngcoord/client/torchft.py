@@ -53,10 +53,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rngcoord.client.coordinated import OffsetBasedRNGTracker, scoped_name
-from rngcoord.client.errors import InvalidRequest
-from rngcoord.client.groups import replica_name
-from rngcoord.client.leases import INITIAL_DIGEST
+from rngcoord.client._coordinated import OffsetBasedRNGTracker, scoped_name
+from rngcoord.client._errors import InvalidRequest
+from rngcoord.client._groups import replica_name
+from rngcoord.client._leases import INITIAL_DIGEST
 from rngcoord.v1.rules import REPLICA_GROUP_PATTERN
 from rngcoord.v1.seeds import group_seed
 

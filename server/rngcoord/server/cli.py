@@ -448,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
         "replay",
         help="regenerate a sharding_invariant op's values offline from an audit export "
         "(needs the client extra: torch)",
-        description="Runs rngcoord.client.replay; `rngcoord replay --help` lists its flags.",
+        description="Runs rngcoord.client._replay; `rngcoord replay --help` lists its flags.",
     )
     # main() hands `demo ARGS...` and `replay ARGS...` to the client before this parser.
     del demo, replay
@@ -658,7 +658,7 @@ class _Progress:
 def _client_command(name: str, args: Sequence[str]) -> int:
     # `demo` trains and `replay` draws with torch, which the server package never imports
     # (the coordinator image has none): they live beside the client (rngcoord.demo, and
-    # rngcoord.client.replay), and run in a process of their own.
+    # rngcoord.client._replay), and run in a process of their own.
     missing = [
         module
         for module in ("torch", "rngcoord.client")
@@ -672,7 +672,7 @@ def _client_command(name: str, args: Sequence[str]) -> int:
         )
         return 2
     sys.stdout.flush()
-    module = "rngcoord.demo" if name == "demo" else f"rngcoord.client.{name}"
+    module = "rngcoord.demo" if name == "demo" else "rngcoord.client._replay"
     cmd = [sys.executable, "-m", module, *args]
     return subprocess.run(cmd, check=False).returncode
 

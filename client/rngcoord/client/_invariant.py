@@ -1,5 +1,5 @@
 """The ``sharding_invariant`` policy: DTensor random ops that draw the same numbers whatever the
-mesh, from :mod:`rngcoord.client.portable`'s counter-based Philox.
+mesh, from :mod:`rngcoord.client._portable`'s counter-based Philox.
 
 Under this policy a DTensor random op gives each shard exactly the slice of the tensor that
 one device would have drawn with the stream's seed at the stream's cursor, on any device and
@@ -7,11 +7,11 @@ for any mesh shape and placement; and the stream itself does not depend on the m
 
 - **Streams.** One stream per job and pipeline stage, named ``invariant`` (no split dims) or
   ``invariant[pp:1]`` (the stage's coordinates on the split dims, see
-  :func:`rngcoord.client.groups.invariant_group`). Every rank with the same split coordinates
+  :func:`rngcoord.client._groups.invariant_group`). Every rank with the same split coordinates
   joins it, whatever mesh or sub-mesh an op runs on, so a job resized from 4 ranks to 2 joins
   the same stream in a new epoch, and ``--resume`` (``load_state_dict``) continues it at the
   saved cursor: the same numbers as the uninterrupted run.
-- **Offsets.** An op of ``n`` Philox blocks (``portable.offsets_consumed``: ``ceil(numel /
+- **Offsets.** An op of ``n`` Philox blocks (``_portable.offsets_consumed``: ``ceil(numel /
   E)``, ``E`` values per 128-bit block) moves the cursor by ``4 n``: the cursor still counts
   32-bit words, a multiple of 4, and block ``b`` of the op sits at ``cursor / 4 + b``.
   Example: ``rand(8, 16)`` (float32, 4 values per block) at cursor 0 consumes 32 blocks and
@@ -21,7 +21,7 @@ for any mesh shape and placement; and the stream itself does not depend on the m
 How an op reaches it: the tracker's region pushes :class:`_InvariantMode`, a
 TorchDispatchMode that catches the local random op DTensor runs inside the region (the
 factories ``rand``/``randn``, and, through the router's custom op handler
-``rngcoord.client.router.random_op``, every dispatched random op, on CUDA too, where DTensor
+``rngcoord.client._router.random_op``, every dispatched random op, on CUDA too, where DTensor
 would otherwise take the ``run_dtensor_rng_op`` path), and returns the portable values
 instead.
 """
@@ -37,9 +37,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import Partial, _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rngcoord.client import portable
-from rngcoord.client.compiling import not_compiled
-from rngcoord.client.errors import RNGCoordError
+from rngcoord.client import _portable
+from rngcoord.client._compiling import not_compiled
+from rngcoord.client._errors import RNGCoordError
 
 
 class Stream(Protocol):
@@ -105,7 +105,7 @@ class _InvariantMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         name = func.overloadpacket.__name__
         if name not in _CAUGHT:
             return func(*args, **kwargs)
-        bound = portable.bind_op_args(func, args, kwargs)
+        bound = _portable.bind_op_args(func, args, kwargs)
         first = args[0]
         output: torch.Tensor
         mask = None
@@ -121,9 +121,9 @@ class _InvariantMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         else:
             output = first  # in place
         spec = self._spec
-        blocks = portable.offsets_consumed(name, spec.shape, output.dtype, **bound)
+        blocks = _portable.offsets_consumed(name, spec.shape, output.dtype, **bound)
         base = self._stream.advance(4 * blocks, self._op_key())
-        portable.portable_fill_(
+        _portable.portable_fill_(
             name,
             output,
             seed=self._stream.seed,

@@ -1,7 +1,7 @@
 """``rngcoord replay``: regenerate an audited op's values offline, from an audit export.
 
 Under the ``sharding_invariant`` policy an op's values are a pure function of the group's seed,
-the op's cursor, the op and the global shape (:mod:`rngcoord.client.invariant`). The audit log
+the op's cursor, the op and the global shape (:mod:`rngcoord.client._invariant`). The audit log
 holds the seed (the ``group`` record) and every lease granted (``grant`` records), so from an
 export (``rngcoord audit --json --job JOB > audit.jsonl``) this command checks that the op's
 offsets were granted to the group, says by which leases (epoch, seq, rank, time), and writes
@@ -20,7 +20,7 @@ writes one per rank) gives it, with the group, shape, dtype and op, for any op o
 Only groups drawn under the ``sharding_invariant`` policy can be replayed: values drawn under
 the default ``offsets`` policy come from the device's own generator, at offsets that depend
 on the mesh, and cannot be regenerated off the device. The policy shows in the group's name
-(:func:`rngcoord.client.groups.policy_of`: ``invariant`` or ``invariant[pp:1]``), and in
+(:func:`rngcoord.client._groups.policy_of`: ``invariant`` or ``invariant[pp:1]``), and in
 the trace; replay refuses other groups, naming their policy.
 
 It reads no store and needs no coordinator: only the export and torch.
@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from rngcoord.client import portable
-from rngcoord.client.groups import policy_of
-from rngcoord.client.trace import read_trace
+from rngcoord.client import _portable
+from rngcoord.client._groups import policy_of
+from rngcoord.client._trace import read_trace
 
 _DTYPES = {
     "float32": torch.float32,
@@ -217,7 +217,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--cursor", type=int, help="the group's cursor before the op")
     parser.add_argument(
         "--op",
-        help=f"the op: {', '.join(sorted(portable.SUPPORTED_OPS))}",
+        help=f"the op: {', '.join(sorted(_portable.SUPPORTED_OPS))}",
     )
     parser.add_argument("--shape", help="the global shape, e.g. 8,64")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), help="default: float32")
@@ -282,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed, grants = group_facts(text.splitlines(), args.job, args.group)
         if args.cursor % 4:
             raise ValueError(f"--cursor must be a multiple of 4, got {args.cursor}")
-        blocks = portable.offsets_consumed(args.op, shape, dtype, **op_args)
+        blocks = _portable.offsets_consumed(args.op, shape, dtype, **op_args)
         start, end = args.cursor, args.cursor + 4 * blocks
         used = covering(grants, start, end) if blocks else []
         if blocks and not used:
@@ -295,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             local = torch.ones([n for _, n in ranges] if ranges else shape, dtype=dtype)
         else:
             local = torch.empty([n for _, n in ranges] if ranges else shape, dtype=dtype)
-        portable.portable_fill_(
+        _portable.portable_fill_(
             op,
             local,
             seed=seed,

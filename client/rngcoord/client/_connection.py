@@ -2,7 +2,7 @@
 and TLS.
 
 :class:`CoordinatorClient` mirrors the ``rngcoord.v1.Coordinator`` RPCs with Python types and
-turns every gRPC status into an :mod:`rngcoord.client.errors` exception whose message says
+turns every gRPC status into an :mod:`rngcoord.client._errors` exception whose message says
 what failed and what to do. All RPCs of the contract are idempotent (a JoinGroup retried with
 the same member id, a Reserve of the same key, an identical Restore), so the client retries
 them on UNAVAILABLE and DEADLINE_EXCEEDED, failing over across targets, with capped
@@ -23,7 +23,7 @@ raises :class:`StoreMismatchError` instead of handing out offsets a lost store a
 The latest head is kept in `audit_head`, for checkpoints and `rngcoord verify --anchor`.
 
 The machinery of one call (channels, retries, failover, the outage budget, the store check,
-the error mapping) is :class:`rngcoord.client.transport.Transport`, which the client extends.
+the error mapping) is :class:`rngcoord.client._transport.Transport`, which the client extends.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from rngcoord.client.transport import (
+from rngcoord.client._transport import (
     DEFAULT_ADDR,
     Transport,
     adopt_member_secret,
@@ -70,7 +70,7 @@ class CoordinatorClient(Transport):
             ``install()`` logs from rank 0 only.
         session: Send the member calls (JoinGroup, Reserve, Attest, LeaveGroup, GetGroup,
             Restore, RecordResize, RecordQuorum) as messages on one Session stream per target
-            (:mod:`rngcoord.client.session`), with the same errors and retries as unary
+            (:mod:`rngcoord.client._session`), with the same errors and retries as unary
             calls, at a fraction of their cost. Default ``False``: unary calls, for tools
             that make a few; ``install()`` passes ``True``.
     """

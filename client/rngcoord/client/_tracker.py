@@ -27,7 +27,7 @@ layout gives starts 0, 4, 8, 12 and end 16: every shard, and every op, draws its
 The streams of :class:`RNGStateTracker` are local: it is the coordinator-free reference, and
 what every rank would compute.
 
-:class:`rngcoord.client.coordinated.OffsetBasedRNGTracker` is the default policy, built on it:
+:class:`rngcoord.client.OffsetBasedRNGTracker` is the default policy, built on it:
 one stream per group (by default one per (sub)mesh), whose seed, epoch and leases come from
 the coordinator.
 
@@ -39,14 +39,14 @@ How a draw reaches the device:
   ``torch._prims.rng_prims.run_dtensor_rng_op`` and calls only ``_compute_rng_offsets``:
   the tracker sets ``(seed, base)`` there and the higher-order op adds the shard start.
 - CPU: the default CPU generator is given the state of the stream
-  ``cpu_key(seed, base + shard start)`` (:mod:`rngcoord.client.devices`) for the op, and the
+  ``cpu_key(seed, base + shard start)`` (:mod:`rngcoord.client._devices`) for the op, and the
   user's CPU state is restored afterwards.
 
 torch.compile: DTensor's dispatch, and so the tracker, runs when a graph is traced, not when
 it runs, and upstream's graph reads the device generator *at run time*
 (``run_dtensor_rng_op``'s CUDA impl, or the plain op). While it is traced, the tracker's
 region therefore records the local random op as the custom op ``rngcoord::draw``
-(:mod:`rngcoord.client.traced`), which enters this region when the graph runs: compiled
+(:mod:`rngcoord.client._traced`), which enters this region when the graph runs: compiled
 graphs draw from the leases, with ``fullgraph=True`` too, on every backend and for other
 tracers (make_fx, export) alike, and compiled and eager values and cursors are equal bit for
 bit. A trace never plans or joins a group. What cannot be recorded (a user generator,
@@ -54,7 +54,7 @@ symbolic shapes) breaks Dynamo's graph before the op, which then runs eagerly fr
 lease, or is refused under other tracers. ``compiled_random_ops="device"`` opts out: traced
 ops then draw from the device generator as it stands, outside the leases, as upstream's do.
 The tracker's own code is ``torch.compiler.disable``d: after a graph break, DTensor's
-dispatch runs from a resumed frame and Dynamo would otherwise compile the regions.
+dispatch runs from a resumed frame and Dynamo would otherwise compile the _regions.
 """
 
 from __future__ import annotations
@@ -78,32 +78,32 @@ from torch.distributed._functional_collectives import _are_we_tracing
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from rngcoord.client import callers, invariant, regions, traced
-from rngcoord.client.compiling import not_compiled
-from rngcoord.client.devices import (
+from rngcoord.client import _callers, _invariant, _regions, _traced
+from rngcoord.client._compiling import not_compiled
+from rngcoord.client._devices import (
     CPUStateWriter,
     DeviceHandle,
     check_philox_offset,
     cpu_key,
     device_handle,
 )
-from rngcoord.client.errors import (
+from rngcoord.client._errors import (
     InvalidRequest,
     RNGCoordError,
 )
-from rngcoord.client.groups import (
+from rngcoord.client._groups import (
     GroupSpec,
     invariant_group,
     stream_group,
 )
-from rngcoord.client.leases import (
+from rngcoord.client._leases import (
     INITIAL_DIGEST,
     StreamState,
 )
-from rngcoord.client.router import random_op
-from rngcoord.client.trace import OpTrace
+from rngcoord.client._router import random_op
+from rngcoord.client._trace import OpTrace
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("rngcoord.client.tracker")
 _T = TypeVar("_T")
 
 #: ``format`` of the dicts :meth:`RNGStateTracker.state_dict` returns.
@@ -114,7 +114,7 @@ _STATE16 = struct.Struct("<QQ")
 #: What a traced (compiled) DTensor random op does: see the module docstring.
 CompiledOps = Literal["eager", "device"]
 #: How a DTensor random op draws: DTensor's offsets on the device generator ("offsets"), or
-#: the portable, mesh-independent values of rngcoord.client.invariant.
+#: the portable, mesh-independent values of rngcoord.client._invariant.
 Policy = Literal["offsets", "sharding_invariant"]
 
 
@@ -216,7 +216,7 @@ class RNGStateTracker:
     Each stream has a tag, a seed (uint64) and an offset (the cursor: where the next op's
     offsets start). The streams of this class live in this process: set them with
     :meth:`set_seed` and :meth:`set_offset`. A mesh's stream is the one tagged with the mesh's
-    group name (:func:`rngcoord.client.groups.group_name`). With the same seeds and start
+    group name (:func:`rngcoord.client._groups.group_name`). With the same seeds and start
     offsets it draws exactly what :class:`OffsetBasedRNGTracker` draws.
 
     Args:
@@ -224,21 +224,21 @@ class RNGStateTracker:
             ``"cuda"``, or a cuda-like device with a ``torch.<device_type>`` module.
         rank: This rank's global rank. Default ``None``: ``torch.distributed.get_rank()``.
         root: The job's root mesh, whose sub-meshes' copies share streams along replicate
-            dims (:func:`rngcoord.client.groups.stream_group`). Default ``None``: every mesh
+            dims (:func:`rngcoord.client._groups.stream_group`). Default ``None``: every mesh
             is its own stream.
         split_dims: Names of ``root``'s dims whose sub-mesh copies draw separately. Default
             ``None``: dims named ``pp*`` or ``pipe*``.
         policy: ``"offsets"`` (default): DTensor's offset semantics on the device's own
             generator (the shard layout above). ``"sharding_invariant"``: every shard gets
             the slice of what one device would draw, from a stream named independently of
-            the mesh (:mod:`rngcoord.client.invariant`).
+            the mesh (:mod:`rngcoord.client._invariant`).
         compiled_random_ops: ``"eager"`` (default): a traced DTensor random op (torch.compile,
             make_fx, export) draws from the streams when the graph runs, exactly as the eager
             op would (``rngcoord::draw``); ``"device"``: traced ops draw from the device
             generator as it stands (upstream's behaviour), outside the streams. See the
             module docstring.
         trace: Write a JSON line per op drawn from the streams to this path (``{rank}`` is
-            replaced by the rank; :mod:`rngcoord.client.trace`), for ``rngcoord replay
+            replaced by the rank; :mod:`rngcoord.client._trace`), for ``rngcoord replay
             --trace``. Default ``None``: no trace.
     """
 
@@ -385,7 +385,7 @@ class RNGStateTracker:
         """DTensor custom op handlers this tracker needs while registered: under the
         sharding_invariant policy, every random op goes through its region."""
         if self.policy == "sharding_invariant":
-            return dict.fromkeys(invariant.INVARIANT_OPS, random_op)
+            return dict.fromkeys(_invariant.INVARIANT_OPS, random_op)
         return {}
 
     # -- DTensor's hooks ----------------------------------------------------------------------
@@ -418,15 +418,17 @@ class RNGStateTracker:
         if generator is not None:
             return self._generator_region(plan, generator)
         if self._trace is not None:
-            stream = callers.TracedStream(stream, self._trace, self._stream_tag(spec), spec, caller)
+            stream = _callers.TracedStream(
+                stream, self._trace, self._stream_tag(spec), spec, caller
+            )
         if self.policy == "sharding_invariant":
-            return invariant.InvariantRegion(stream, spec, lambda: self._op_key(plan, caller))
+            return _invariant.InvariantRegion(stream, spec, lambda: self._op_key(plan, caller))
         if self._cpu_writer is not None:
             base = stream.advance(plan.end, self._op_key(plan, caller))
-            return regions.CPURegion(self._cpu_writer, cpu_key(stream.seed, base + plan.start))
+            return _regions.CPURegion(self._cpu_writer, cpu_key(stream.seed, base + plan.start))
         check_philox_offset(stream.cursor + plan.end)
         base = stream.advance(plan.end, self._op_key(plan, caller))
-        return regions.PhiloxRegion(self, stream.seed, base + plan.start, base + plan.end)
+        return _regions.PhiloxRegion(self, stream.seed, base + plan.start, base + plan.end)
 
     def _traced_region(
         self,
@@ -436,7 +438,7 @@ class RNGStateTracker:
     ) -> contextlib.AbstractContextManager[None]:
         """The region of a DTensor random op that is being traced (torch.compile, make_fx,
         export): the graph gets ``rngcoord::draw``, which draws from the leases when it runs
-        (rngcoord.client.traced). Nothing is planned or joined here: a trace never talks to
+        (rngcoord.client._traced). Nothing is planned or joined here: a trace never talks to
         the coordinator, and Dynamo may trace a frame many times."""
         if self.compiled_random_ops == "device":
             _warn_tracing_once()
@@ -449,8 +451,8 @@ class RNGStateTracker:
             )
             return contextlib.nullcontext()
         try:
-            return traced.TracedRegion(spec, callers.caller_op(caller))
-        except traced.UntraceableRandomOp as e:
+            return _traced.TracedRegion(spec, _callers.caller_op(caller))
+        except _traced.UntraceableRandomOp as e:
             self._untraceable(str(e))
             return contextlib.nullcontext()
 
@@ -477,7 +479,7 @@ class RNGStateTracker:
             # The policy's op handler runs every dispatched random op in a region instead.
             raise RNGCoordError(
                 "DTensor asked for Philox offsets under the sharding_invariant policy: an op "
-                "outside rngcoord.client.invariant.INVARIANT_OPS took DTensor's CUDA path"
+                "outside rngcoord.client._invariant.INVARIANT_OPS took DTensor's CUDA path"
             )
         if _are_we_tracing():
             check_in_mesh(spec.mesh, self.rank, "a DTensor random op")
@@ -489,15 +491,17 @@ class RNGStateTracker:
                 # runs the op inside this region, which records rngcoord::draw instead, and
                 # the draw's region sets the generator when the graph runs. Nothing is
                 # planned (joined) here: a trace never talks to the coordinator.
-                traced.set_pending(traced.TracedRegion(spec, callers.caller_op(caller)))
+                _traced.set_pending(_traced.TracedRegion(spec, _callers.caller_op(caller)))
             return start, end
-        traced.set_pending(None)
+        _traced.set_pending(None)
         plan = self._plans.get(spec) or self._plan(spec)
         if plan.stream is None:
             raise RNGCoordError(f"rank {self.rank} is not part of the mesh of {spec}")
         stream = plan.stream
         if self._trace is not None:
-            stream = callers.TracedStream(stream, self._trace, self._stream_tag(spec), spec, caller)
+            stream = _callers.TracedStream(
+                stream, self._trace, self._stream_tag(spec), spec, caller
+            )
         check_philox_offset(stream.cursor + plan.end)
         base = stream.advance(plan.end, self._op_key(plan, caller))
         self._set_philox(stream.seed, base)
@@ -538,10 +542,10 @@ class RNGStateTracker:
 
     @staticmethod
     def _op_key(plan: _Plan, caller: types.FrameType | None) -> bytes:
-        op = callers.caller_op(caller)
+        op = _callers.caller_op(caller)
         key = plan.op_keys.get(op)
         if key is None:
-            name = "<unknown op>" if op is None else callers.op_name(op)
+            name = "<unknown op>" if op is None else _callers.op_name(op)
             key = plan.op_keys[op] = f"{name}{plan.shape}".encode()
         return key
 
@@ -564,10 +568,10 @@ class RNGStateTracker:
             # One 63-bit draw advances the user's generator the same way on every rank; the
             # shard start then separates the shards within the op.
             drawn = int(torch.empty((), dtype=torch.int64).random_(generator=generator))
-            return regions.CPURegion(
+            return _regions.CPURegion(
                 self._cpu_writer or CPUStateWriter(), cpu_key(drawn, plan.start)
             )
-        return regions.UserPhiloxRegion(self, generator, plan.start, plan.end)
+        return _regions.UserPhiloxRegion(self, generator, plan.start, plan.end)
 
 
 @not_compiled

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rngcoord.client.compiling import not_compiled
-from rngcoord.client.devices import CPUStateWriter, check_philox_offset, pack_philox, unpack_philox
+from rngcoord.client._compiling import not_compiled
+from rngcoord.client._devices import CPUStateWriter, check_philox_offset, pack_philox, unpack_philox
 
 if TYPE_CHECKING:
-    from rngcoord.client.tracker import RNGStateTracker
+    from rngcoord.client._tracker import RNGStateTracker
 
 __all__ = ["GENERATOR_LOCK", "CPURegion", "PhiloxRegion", "UserPhiloxRegion"]
 

@@ -1,4 +1,4 @@
-"""Converters from Philox output words to element values, for :mod:`rngcoord.client.portable`:
+"""Converters from Philox output words to element values, for :mod:`rngcoord.client._portable`:
 uniform floats of every dtype, normals (Box-Muller, with a sqrt, log, sine and cosine written
 in torch integer and float ops so that CPU and CUDA give the same bits), Bernoulli draws and
 bounded integers. A converter maps the four words of m blocks (int64 tensors of shape [m]) to
@@ -13,7 +13,7 @@ from fractions import Fraction
 
 import torch
 
-from rngcoord.client.philox import Words
+from rngcoord.client._philox import Words
 
 Converter = Callable[[Words], torch.Tensor]
 """The four words of m blocks to their [m, E] element values."""

@@ -24,7 +24,7 @@ While a tracker is registered, two more of DTensor's entry points lead to it:
   The original code is restored when the last tracker leaves.
 - ``torch.distributed.tensor._dispatch.run_dtensor_rng_op`` (DTensor's CUDA path) is
   replaced by :func:`run_dtensor_rng_op`: while DTensor's dispatch is traced, it runs the op
-  in the traced region the tracker left (rngcoord.client.traced), so that the graph draws
+  in the traced region the tracker left (rngcoord.client._traced), so that the graph draws
   from the leases; otherwise it is upstream's higher-order op.
 - ``exponential_``, ``log_normal_``, ``geometric_`` and ``cauchy_`` are not among DTensor's
   random ops: DTensor runs them on each local shard with the device generator as it stands,
@@ -54,16 +54,16 @@ from torch.distributed.tensor import _dispatch as dtensor_dispatch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial
 
-from rngcoord.client import traced
-from rngcoord.client.compiling import not_compiled
-from rngcoord.client.errors import RNGCoordError
+from rngcoord.client import _traced
+from rngcoord.client._compiling import not_compiled
+from rngcoord.client._errors import RNGCoordError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("rngcoord.client.router")
 _lock = threading.Lock()
 
 
 class RankTracker(Protocol):
-    """What the router needs of one rank's tracker (rngcoord.client.tracker implements it)."""
+    """What the router needs of one rank's tracker (rngcoord.client._tracker implements it)."""
 
     rank: int
     """The global rank the tracker serves."""
@@ -174,7 +174,7 @@ def manual_seed(seed: int, device_mesh: DeviceMesh) -> None:
 def _trampoline(seed: int, device_mesh: DeviceMesh) -> None:
     # This code runs as upstream's function, with upstream's module globals: it may only
     # import what it needs, and its parameters are upstream's (callers pass them by name).
-    from rngcoord.client.router import manual_seed as routed
+    from rngcoord.client._router import manual_seed as routed
 
     routed(seed, device_mesh)
 
@@ -211,10 +211,10 @@ def run_dtensor_rng_op(
     start_offset_incr: int, end_offset_incr: int, op: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> Any:
     """DTensor's CUDA path while rngcoord is installed: upstream's higher-order op, except
-    while the tracker traces (it left a traced region, rngcoord.client.traced): then the op
+    while the tracker traces (it left a traced region, rngcoord.client._traced): then the op
     runs in that region, which records ``rngcoord::draw``. The increments are not needed
     then: the draw's region places the op when the graph runs."""
-    region = traced.take_pending()
+    region = _traced.take_pending()
     if region is None:
         return _upstream_hop(start_offset_incr, end_offset_incr, op, *args, **kwargs)
     with region:

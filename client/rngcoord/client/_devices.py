@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rngcoord.client.errors import InvalidRequest, OffsetsExhausted
+from rngcoord.client._errors import InvalidRequest, OffsetsExhausted
 
 #: Offsets a Philox device can hold: CUDA keeps the offset as int64.
 PHILOX_OFFSET_LIMIT = 1 << 63

@@ -1,7 +1,7 @@
 """Philox4x32-10 in plain torch integer ops: the same bits on every device.
 
 This module is responsible for the counter-based generator under rngcoord's
-sharding-invariant random numbers (:mod:`rngcoord.client.portable` builds the distributions
+sharding-invariant random numbers (:mod:`rngcoord.client._portable` builds the distributions
 on it). It is Random123's Philox4x32 with 10 rounds (Salmon et al., SC'11), bit-exact with
 Random123's ``kat_vectors`` (``tests/client/test_philox.py`` checks them), computed with
 elementwise int64 tensor ops only, so CPU, CUDA and any other torch device give the same
@@ -18,7 +18,7 @@ Key, counter and blocks
   positions ``base_offset .. base_offset + k - 1`` and the next op starts at
   ``base_offset + k``.
 
-Element layout (what :mod:`rngcoord.client.portable` builds on)
+Element layout (what :mod:`rngcoord.client._portable` builds on)
 --------------------------------------------------------------
 A distribution that takes ``b`` words per element packs ``E = 4 // b`` elements per block
 (``E = 4`` for 32-bit draws, ``E = 2`` for 64-bit ones). Element ``i`` of the op's global

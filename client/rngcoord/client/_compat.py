@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 import torch
 
-from rngcoord.client.errors import UnsupportedTorchError
+from rngcoord.client._errors import UnsupportedTorchError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("rngcoord.client.compat")
 
 #: (major, minor) versions of torch that CI runs the client suites on (`.ci/run`).
 TESTED_TORCH = ((2, 13), (2, 14), (2, 15))
@@ -85,7 +85,7 @@ def missing_internals() -> list[str]:
     from torch.distributed.tensor import _api, _dispatch
     from torch.distributed.tensor import _random as dtensor_random
 
-    from rngcoord.client.devices import pack_philox
+    from rngcoord.client._devices import pack_philox
 
     missing: list[str] = []
 
@@ -152,7 +152,7 @@ def missing_internals() -> list[str]:
         "torch._dynamo.exc.unimplemented(gb_type=, context=, explanation=, hints=)",
     )
     need(callable(getattr(torch.compiler, "is_compiling", None)), "torch.compiler.is_compiling")
-    # Compiled graphs draw through the custom op rngcoord::draw (rngcoord.client.traced),
+    # Compiled graphs draw through the custom op rngcoord::draw (rngcoord.client._traced),
     # ordered in the graph by an effect token: it needs ORDERED effects on custom ops.
     try:
         from torch._library.custom_ops import CustomOpDef

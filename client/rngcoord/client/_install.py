@@ -16,17 +16,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from rngcoord.client import router
-from rngcoord.client.compat import check_torch
-from rngcoord.client.connection import CoordinatorClient
-from rngcoord.client.coordinated import OffsetBasedRNGTracker
-from rngcoord.client.devices import device_handle, dispatchable_backend
-from rngcoord.client.errors import InvalidRequest, RNGCoordError, refused
-from rngcoord.client.leases import ATTEST_MIN_S
-from rngcoord.client.tracker import CompiledOps, Policy
+from rngcoord.client import _router
+from rngcoord.client._compat import check_torch
+from rngcoord.client._connection import CoordinatorClient
+from rngcoord.client._coordinated import OffsetBasedRNGTracker
+from rngcoord.client._devices import device_handle, dispatchable_backend
+from rngcoord.client._errors import InvalidRequest, RNGCoordError, refused
+from rngcoord.client._leases import ATTEST_MIN_S
+from rngcoord.client._tracker import CompiledOps, Policy
 from rngcoord.v1.rules import RuleViolation, check_name
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("rngcoord.client.install")
 
 #: The outage budget of install() when neither ``outage_s`` nor RNGCOORD_OUTAGE_S say.
 DEFAULT_OUTAGE_S = 600.0
@@ -73,7 +73,7 @@ def install(
         token: Bearer token for the job. Default ``None``: RNGCOORD_TOKEN, else none.
         lease_size: Offsets in every lease, a multiple of 4, equal on every rank. Default
             ``None``: leases sized to the work, growing with the stream
-            (:class:`~rngcoord.client.leases.LeaseSchedule`), so that RPCs per training step
+            (:class:`~rngcoord.client._leases.LeaseSchedule`), so that RPCs per training step
             stay bounded whatever the tensor sizes.
         shared_stream: One stream for every mesh over ``mesh``'s ranks (like upstream's
             single generator) instead of one per (sub)mesh. Default ``False``.
@@ -87,7 +87,7 @@ def install(
             that needs a new lease waits, and calls retry with capped, fully jittered
             backoff; rank 0 logs one warning when an outage begins and one line when it
             ends. Past the budget, the op that needs a lease raises
-            :class:`~rngcoord.client.errors.CoordinatorUnavailable`. Default ``None``:
+            :class:`~rngcoord.client.CoordinatorUnavailable`. Default ``None``:
             RNGCOORD_OUTAGE_S, else 600.
         connect_timeout_s: How long install() tries to reach the coordinator before it
             returns (a GetGroup that proves the address and the token), apart from the
@@ -95,12 +95,12 @@ def install(
         split_dims: Names of ``mesh``'s dims whose sub-mesh copies draw separate numbers,
             such as pipeline stages. Default ``None``: dims named ``pp*`` or ``pipe*``; the
             copies of a sub-mesh along every other dim draw the same numbers, as in DTensor
-            (:func:`rngcoord.client.groups.stream_group`).
+            (:func:`rngcoord.client._groups.stream_group`).
         policy: ``"offsets"`` (default): DTensor's offset semantics, bitwise upstream's where
             shards are even. ``"sharding_invariant"``: each shard gets exactly the slice one
             device would have drawn, on any device, and the stream is named independently of
             the mesh, so a job resized from 4 ranks to 2 draws the same numbers
-            (:mod:`rngcoord.client.invariant`).
+            (:mod:`rngcoord.client._invariant`).
         compiled_random_ops: ``"eager"`` (default; the name is kept for compatibility):
             a traced graph (torch.compile, make_fx, export) draws each DTensor random op from
             the leases when it runs, as the eager op would (``rngcoord::draw``), bitwise
@@ -148,7 +148,7 @@ def install(
         CoordinatorUnavailable: no coordinator target answered within
             ``connect_timeout_s``; the message names the targets and RNGCOORD_ADDR.
         AuthenticationError: the coordinator refused the token for ``job``
-            (:class:`~rngcoord.client.errors.PermissionDeniedError`: its role or jobs).
+            (:class:`~rngcoord.client.PermissionDeniedError`: its role or jobs).
     """
     install_excepthook(dist.get_rank() if dist.is_initialized() else _env_rank())
     check_torch()
@@ -206,7 +206,7 @@ def install(
     except BaseException:
         client.close()
         raise
-    previous = router.register(tracker)
+    previous = _router.register(tracker)
     if isinstance(previous, OffsetBasedRNGTracker):
         try:
             previous.close()

@@ -1,4 +1,4 @@
-"""Sharding-invariant, device-invariant random numbers on :mod:`rngcoord.client.philox`.
+"""Sharding-invariant, device-invariant random numbers on :mod:`rngcoord.client._philox`.
 
 This module is responsible for the distributions of rngcoord's ``sharding_invariant`` policy
 and for the entry points the tracker calls. A draw is a pure function of (seed, base offset,
@@ -10,7 +10,7 @@ Layout
 ------
 Element ``i`` (row-major linear index in the global shape) of a distribution packing ``E``
 elements per Philox block uses block ``i // E`` at position ``base_offset + i // E`` and the
-words ``(4 // E) * (i % E) ..`` of it (:mod:`rngcoord.client.philox` has a worked example).
+words ``(4 // E) * (i % E) ..`` of it (:mod:`rngcoord.client._philox` has a worked example).
 An op consumes ``ceil(numel / E)`` offsets (one offset = one 128-bit block).
 
 ======================  ====  ===========================================================
@@ -77,9 +77,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rngcoord.client import converters
-from rngcoord.client.converters import Converter
-from rngcoord.client.philox import POSITION_LIMIT, philox_blocks, split_key
+from rngcoord.client import _converters
+from rngcoord.client._converters import Converter
+from rngcoord.client._philox import POSITION_LIMIT, philox_blocks, split_key
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -248,7 +248,7 @@ def uniform(
     lo, hi = _number(low, "low"), _number(high, "high")
     if not lo <= hi or math.isinf(lo) or math.isinf(hi):
         raise ValueError(f"uniform needs finite low <= high, got [{low}, {high})")
-    per_block, convert = converters.uniform_converter(dtype)
+    per_block, convert = _converters.uniform_converter(dtype)
     draw = _draw(seed, base_offset, _box(global_shape, local_ranges), per_block, convert,
                  dtype, torch.device(device))  # fmt: skip
     if (lo, hi) == (0.0, 1.0):
@@ -258,7 +258,7 @@ def uniform(
         v = v.to(torch.float32).to(dtype)
     if lo < hi:
         top = torch.tensor(hi, dtype=dtype).item()
-        v = torch.where(v >= top, converters.next_below(top, dtype), v)
+        v = torch.where(v >= top, _converters.next_below(top, dtype), v)
     return Draw(v, draw.offsets)
 
 
@@ -295,7 +295,7 @@ def normal(
     mu, sigma = _number(mean, "mean"), _number(std, "std")
     if sigma < 0 or math.isinf(sigma) or math.isinf(mu):
         raise ValueError(f"normal needs a finite mean and a finite std >= 0, got {mean}, {std}")
-    per_block, convert = converters.normal_converter(dtype, mu, sigma)
+    per_block, convert = _converters.normal_converter(dtype, mu, sigma)
     return _draw(seed, base_offset, _box(global_shape, local_ranges), per_block, convert,
                  dtype, torch.device(device))  # fmt: skip
 
@@ -334,7 +334,7 @@ def bernoulli(
     Returns:
         The local values and the offsets consumed (``ceil(numel / 4)``).
     """
-    per_block, convert = converters.bernoulli_converter(_probability(p), dtype)
+    per_block, convert = _converters.bernoulli_converter(_probability(p), dtype)
     return _draw(seed, base_offset, _box(global_shape, local_ranges), per_block, convert,
                  dtype, torch.device(device))  # fmt: skip
 
@@ -345,7 +345,7 @@ def _random_bounds(low: int, high: int | None, dtype: torch.dtype) -> tuple[int,
         if dtype == torch.bool:
             top = 1
         elif dtype.is_floating_point:
-            top = 1 << converters.DIGITS[dtype]
+            top = 1 << _converters.DIGITS[dtype]
         else:
             top = torch.iinfo(dtype).max
         return low, top - low + 1
@@ -392,7 +392,7 @@ def randint(
         raise ValueError(f"randint supports ranges up to 2^63 values, got {span}")
     if lo < -(1 << 63) or lo + span - 1 >= 1 << 63:
         raise ValueError(f"randint bounds must fit int64, got [{lo}, {lo + span})")
-    per_block, convert = converters.random_converter(lo, span, dtype)
+    per_block, convert = _converters.random_converter(lo, span, dtype)
     return _draw(seed, base_offset, _box(global_shape, local_ranges), per_block, convert,
                  dtype, torch.device(device))  # fmt: skip
 

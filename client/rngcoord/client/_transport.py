@@ -1,12 +1,12 @@
-"""How :class:`~rngcoord.client.connection.CoordinatorClient` reaches the coordinator:
+"""How :class:`~rngcoord.client.CoordinatorClient` reaches the coordinator:
 targets, channels, failover, deadlines, the outage budget, token and TLS, and each member's
 credential.
 
 :class:`Transport` runs one call (``_call``): it retries on UNAVAILABLE and DEADLINE_EXCEEDED,
 failing over across targets with capped exponential backoff and full jitter, for as long as
 the outage budget allows, watches which store answers, and maps every gRPC status to an
-:mod:`rngcoord.client.errors` exception. The RPCs themselves, with Python types, are
-:class:`~rngcoord.client.connection.CoordinatorClient`'s (see that module for the semantics).
+:mod:`rngcoord.client._errors` exception. The RPCs themselves, with Python types, are
+:class:`~rngcoord.client.CoordinatorClient`'s (see that module for the semantics).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Self, TypeVar
 
 import grpc
 
-from rngcoord.client.errors import (
+from rngcoord.client._errors import (
     AuthenticationError,
     CoordinatorUnavailable,
     DivergenceError,
@@ -39,7 +39,7 @@ from rngcoord.client.errors import (
     StaleEpochError,
     StoreMismatchError,
 )
-from rngcoord.client.session import SessionStub
+from rngcoord.client._session import SessionStub
 from rngcoord.v1 import coordinator_pb2 as pb
 from rngcoord.v1 import coordinator_pb2_grpc as pb_grpc
 from rngcoord.v1.status import HEAD_TRAILER, error_info
@@ -137,7 +137,7 @@ def _env_targets() -> list[str]:
 
 
 class Transport:
-    """The connection machinery under :class:`~rngcoord.client.connection.CoordinatorClient`
+    """The connection machinery under :class:`~rngcoord.client.CoordinatorClient`
     (its arguments are documented there)."""
 
     def __init__(

@@ -3,7 +3,7 @@ stream that writes each op it accounts to the per-op trace (``install(trace=PATH
 
 DTensor hands the tracker a DTensorSpec, never the op: the op, and its scalar arguments, are
 locals of the two places in torch that call into the tracker (``_CALLERS``), which
-:mod:`rngcoord.client.compat` checks at install time. The tracker fingerprints each op by
+:mod:`rngcoord.client._compat` checks at install time. The tracker fingerprints each op by
 its name and global shape, so that ranks agree on every op of a stream.
 """
 
@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from rngcoord.client import portable, traced
-from rngcoord.client.leases import StreamState
-from rngcoord.client.router import random_op
-from rngcoord.client.trace import OpTrace
+from rngcoord.client import _portable, _traced
+from rngcoord.client._leases import StreamState
+from rngcoord.client._router import random_op
+from rngcoord.client._trace import OpTrace
 
 if TYPE_CHECKING:
-    from rngcoord.client.tracker import Stream
+    from rngcoord.client._tracker import Stream
 
 __all__ = ["TracedStream", "caller_args", "caller_op", "op_name"]
 
@@ -50,7 +50,7 @@ def _init_helper_code() -> types.CodeType | None:
 # The two places in torch that call into the tracker, and the local holding the random op:
 # OpDispatcher._dispatch_get_local_results_slow_path (op_call; both the _distribute_region
 # and the run_dtensor_rng_op path) and the DTensor factories' _dtensor_init_helper (init_op,
-# torch.rand / torch.randn). rngcoord.client.compat checks both at install time.
+# torch.rand / torch.randn). rngcoord.client._compat checks both at install time.
 _CALLERS: dict[types.CodeType | None, str] = {
     _dispatch_code(): "op_call",
     _init_helper_code(): "init_op",
@@ -59,7 +59,7 @@ _CALLERS: dict[types.CodeType | None, str] = {
     getattr(random_op, "__wrapped__", random_op).__code__: "op_call",
     # A compiled graph's rngcoord::draw, which sets op_call to the op DTensor's frame held
     # when the graph was traced: compiled and eager ops fingerprint alike.
-    traced._run.__code__: "op_call",
+    _traced._run.__code__: "op_call",
 }
 _CALLERS.pop(None, None)
 
@@ -76,7 +76,7 @@ def caller_args(frame: types.FrameType | None, op: object) -> dict[str, Any]:
             if not isinstance(args, (tuple, list)) or not isinstance(kwargs, dict):
                 return {}
             try:
-                bound = portable.bind_op_args(op, args, kwargs)
+                bound = _portable.bind_op_args(op, args, kwargs)
             except (TypeError, ValueError):
                 return {}
             return {k: v for k, v in bound.items() if isinstance(v, (int, float, bool))}

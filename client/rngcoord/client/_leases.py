@@ -100,15 +100,15 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from rngcoord.client.connection import CoordinatorClient
-from rngcoord.client.errors import (
+from rngcoord.client._connection import CoordinatorClient
+from rngcoord.client._errors import (
     CoordinatorUnavailable,
     DivergenceError,
     RNGCoordError,
     StaleEpochError,
     refused,
 )
-from rngcoord.client.schedule import LeaseSchedule, StreamState, attest_stride, check_lease_size
+from rngcoord.client._schedule import LeaseSchedule, StreamState, attest_stride, check_lease_size
 from rngcoord.v1.rules import ATTEST_EVERY, MAX_OFFSET, RuleViolation, check_cursor
 from rngcoord.v1.types import JoinResult, Lease
 
@@ -139,7 +139,7 @@ ATTEST_MIN_S = 30.0
 _RATE_WINDOW_S = 60.0
 _RATE_MIN_S = 0.25
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("rngcoord.client.leases")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """What a stream's leases look like, apart from the manager that asks for them: the lease
 sizes (:class:`LeaseSchedule`, a pure function of the op sequence so far, so that ranks agree
 on every boundary), the attestation stride (:func:`attest_stride`), and the position a
-checkpoint keeps (:class:`StreamState`). :mod:`rngcoord.client.leases` explains how they are
+checkpoint keeps (:class:`StreamState`). :mod:`rngcoord.client._leases` explains how they are
 used, and re-exports them.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rngcoord.client.errors import InvalidRequest, refused
+from rngcoord.client._errors import InvalidRequest, refused
 from rngcoord.v1.rules import ATTEST_EVERY, RuleViolation, check_size
 
 __all__ = ["LeaseSchedule", "StreamState", "attest_stride", "check_lease_size"]

@@ -2,12 +2,12 @@
 
 The default policy: one stream per group (by default one per (sub)mesh), whose seed, epoch
 and leases come from the coordinator; it joins each group on its first random op, draws
-from prefetched leases (:mod:`rngcoord.client.leases`), and saves and loads the streams'
+from prefetched leases (:mod:`rngcoord.client._leases`), and saves and loads the streams'
 positions (``state_dict``/``load_state_dict``: resume, resize, a replica's heal). It
 subclasses PyTorch's ``OffsetBasedRNGTracker`` because DTensor's CUDA path asserts that
 class; it never runs the upstream ``__init__``, which raises on CPU meshes and broadcasts
 rank 0's device state. How an op's offsets are laid out and reach the device is
-:class:`rngcoord.client.tracker.RNGStateTracker`'s, which it extends.
+:class:`rngcoord.client.RNGStateTracker`'s, which it extends.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 import torch.distributed.tensor._random as dtensor_random
 from torch.distributed.device_mesh import DeviceMesh
 
-from rngcoord.client.connection import CoordinatorClient
-from rngcoord.client.errors import (
+from rngcoord.client._connection import CoordinatorClient
+from rngcoord.client._errors import (
     CoordinatorUnavailable,
     InvalidRequest,
     JoinTimeoutError,
@@ -34,7 +34,7 @@ from rngcoord.client.errors import (
     RNGCoordError,
     StoreMismatchError,
 )
-from rngcoord.client.groups import (
+from rngcoord.client._groups import (
     GroupSpec,
     is_split_dim,
     mesh_of_name,
@@ -43,15 +43,15 @@ from rngcoord.client.groups import (
     shared_group,
     with_suffix,
 )
-from rngcoord.client.leases import (
+from rngcoord.client._leases import (
     ATTEST_MIN_S,
     INITIAL_DIGEST,
     LeaseManager,
     LeaseSchedule,
     StreamState,
 )
-from rngcoord.client.router import unregister
-from rngcoord.client.tracker import (
+from rngcoord.client._router import unregister
+from rngcoord.client._tracker import (
     CompiledOps,
     Policy,
     RNGStateTracker,
@@ -63,7 +63,7 @@ from rngcoord.v1.rules import REPLICA_PATTERN
 from rngcoord.v1.seeds import group_seed
 from rngcoord.v1.types import JoinResult
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("rngcoord.client.coordinated")
 _T = TypeVar("_T")
 
 
@@ -77,7 +77,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
     Each group (by default each (sub)mesh that runs a random op; with ``shared_stream`` one
     group for every mesh) is joined on its first random op: a JoinGroup barrier of the
     mesh's ranks that returns the group's seed, epoch and start cursor. Ops then draw from
-    leases that a background thread prefetches; see :mod:`rngcoord.client.leases`.
+    leases that a background thread prefetches; see :mod:`rngcoord.client._leases`.
 
     Args:
         device_mesh: The job's mesh. Its device type picks the generator, and with
@@ -87,7 +87,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         seed: The job's root seed (uint64). Default ``None``: the job's recorded seed, or one
             the coordinator draws when the job is new.
         lease_size: Offsets in every lease, a multiple of 4, equal on every rank. Default
-            ``None``: leases sized to the work (:class:`~rngcoord.client.leases.LeaseSchedule`),
+            ``None``: leases sized to the work (:class:`~rngcoord.client._leases.LeaseSchedule`),
             so that the RPCs per step stay bounded whatever the tensor sizes.
         shared_stream: One stream for every mesh, over ``device_mesh``'s ranks, instead of
             one per (sub)mesh. Default ``False``.
@@ -95,7 +95,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
             Default 60.0.
         owns_client: Close ``client`` in :meth:`close`. Default ``False``.
         split_dims: Names of ``device_mesh``'s dims whose sub-mesh copies draw separate
-            numbers (:func:`rngcoord.client.groups.stream_group`). Default ``None``: dims
+            numbers (:func:`rngcoord.client._groups.stream_group`). Default ``None``: dims
             named ``pp*`` or ``pipe*``; every other dim replicates, as in DTensor.
         policy: ``"offsets"`` (default) or ``"sharding_invariant"``; see
             :class:`RNGStateTracker`.
@@ -105,7 +105,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
         trace: A per-op JSONL trace path (``{rank}``: the rank), flushed at :meth:`close`;
             see :class:`RNGStateTracker`. Default ``None``.
         attest_min_s: Attest about this often at most; see
-            :class:`~rngcoord.client.leases.LeaseManager`. Default 30.0.
+            :class:`~rngcoord.client.LeaseManager`. Default 30.0.
         replica: The replica group this process belongs to (a torchft replica): its groups
             are its own, named with ``/replica:<replica>``, so that same-shaped meshes of
             different replicas never share a group, and their seeds differ. Default
@@ -444,7 +444,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
 
         ``store_id`` is the coordinator store the streams came from: loading the state into
         the same job where another store answers raises
-        :class:`~rngcoord.client.errors.StoreMismatchError`, as does a group whose epoch or
+        :class:`~rngcoord.client.StoreMismatchError`, as does a group whose epoch or
         high-water mark is behind the state's.
         ``audit_head`` is the latest audit chain head the coordinator sent (for
         ``rngcoord verify --anchor``).

@@ -49,8 +49,8 @@ import torch.distributed.tensor._random as dtensor_random
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rngcoord.client.compiling import not_compiled
-from rngcoord.client.errors import RNGCoordError
+from rngcoord.client._compiling import not_compiled
+from rngcoord.client._errors import RNGCoordError
 
 #: Random ops the mode catches: DTensor's random ops, the distributions the router handles
 #: (router.EXTRA_RANDOM_OPS), random_, and the factories DTensor's rand/randn call.
