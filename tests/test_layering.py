@@ -1,6 +1,6 @@
 """The layering of docs/design.md §3, checked on the code: data flows proto → server and
-proto → client, the server never imports torch (the coordinator image has none), and the
-client never imports the server.
+proto → client, the server never imports torch (the coordinator image has none), the
+client never imports the server, and examples/ uses only the client's public API.
 
 Every module's import statements are read from its source (static: a function-level import
 counts too), and the server package is also imported in a fresh interpreter to see that torch
@@ -27,6 +27,15 @@ FORBIDDEN = {
     "client": ("rngcoord.server",),
     # The library every rank imports never loads the demo that lives beside it.
     "client/rngcoord/client": ("rngcoord.server", "rngcoord.demo"),
+    # The examples are what users copy: the public API only, never a private module.
+    "examples": (
+        "rngcoord.server",
+        *sorted(
+            f"rngcoord.client.{p.stem}"
+            for p in (ROOT / "client" / "rngcoord" / "client").glob("_*.py")
+            if p.stem != "__init__"
+        ),
+    ),
 }
 
 
@@ -40,6 +49,8 @@ def _imports(path: Path) -> set[str]:
             assert node.level == 0, f"{path}: relative import (one import style: absolute)"
             assert node.module is not None
             found.add(node.module)
+            # `from pkg import mod` imports pkg.mod when mod is a module.
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return found
 
 
