@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import pkgutil
+from typing import Any
 
 import rngcoord.client as client
 from rngcoord.client import RNGCoordError
@@ -69,3 +70,36 @@ def test_every_other_module_is_private() -> None:
     modules = [m.name for m in pkgutil.iter_modules(client.__path__)]
     assert [name for name in modules if not name.startswith("_")] == ["torchft"]
     assert len(modules) > 20
+
+
+def _undocumented_arguments(objects: list[Any]) -> list[str]:
+    # Each argument is described in the docstring's Args section, as "name: ...".
+    return [
+        f"{obj.__qualname__}({param})"
+        for obj in objects
+        for param in inspect.signature(obj).parameters
+        if param not in ("self", "args", "kwargs")
+        and f"{param}:" not in (inspect.getdoc(obj) or "")
+    ]
+
+
+def test_every_argument_of_a_public_class_or_function_is_documented() -> None:
+    callables = [
+        obj
+        for name in PUBLIC
+        if (inspect.isclass(obj := getattr(client, name)) and not issubclass(obj, Exception))
+        or inspect.isfunction(obj)
+    ]
+    assert len(callables) == 6
+    assert _undocumented_arguments(callables) == []
+
+
+def test_the_torchft_integration_s_public_names_are_these_and_documented() -> None:
+    import rngcoord.client.torchft as torchft
+
+    assert torchft.__all__ == ["HISTORY_STEPS", "STATE_KEY", "Attachment", "Quorum", "attach"]
+    # The two constants are documented by the attribute docstrings beside them.
+    assert all(
+        inspect.getdoc(getattr(torchft, name)) for name in ("attach", "Attachment", "Quorum")
+    )
+    assert _undocumented_arguments([torchft.attach, torchft.Attachment]) == []
