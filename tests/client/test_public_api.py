@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import pkgutil
+import re
 from typing import Any
 
 import rngcoord.client as client
@@ -73,13 +74,14 @@ def test_every_other_module_is_private() -> None:
 
 
 def _undocumented_arguments(objects: list[Any]) -> list[str]:
-    # Each argument is described in the docstring's Args section, as "name: ...".
+    # Each argument is described in the docstring's Args section: a line that starts with
+    # "name:" (or "name (type):"), not merely the name somewhere in the text.
     return [
         f"{obj.__qualname__}({param})"
         for obj in objects
         for param in inspect.signature(obj).parameters
         if param not in ("self", "args", "kwargs")
-        and f"{param}:" not in (inspect.getdoc(obj) or "")
+        and not re.search(rf"^\s*{re.escape(param)}( \([^)]*\))?:", inspect.getdoc(obj) or "", re.M)
     ]
 
 

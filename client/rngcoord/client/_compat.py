@@ -12,7 +12,7 @@ What the probe found across the tested versions (read from the wheels):
   type-checker comment, and the same signatures for everything below.
 - ``_PhiloxState.seed`` and ``.offset`` return one-element tensors (uint64 and int64 views of
   the 16-byte state), not ints: pytorch#173876, marked BC-breaking, is already in 2.13.0, not
-  new in 2.15. rngcoord never reads them to run (devices.pack_philox writes the bytes itself);
+  new in 2.15. rngcoord never reads them to run (_devices.pack_philox writes the bytes itself);
   the probe reads them through :func:`philox_seed_offset` only to check that upstream's layout
   is still the one rngcoord writes.
 """
@@ -115,7 +115,7 @@ def missing_internals() -> list[str]:
     need_signature(dtensor_random, "_calc_shard_linear_idx", module, ["shard_coord", "shard_size"])
     need_signature(dtensor_random, "manual_seed", module, ["seed", "device_mesh"])
     # The 16-byte CUDA state: the tracker writes (seed, offset) in this layout
-    # (devices.pack_philox), so it must be the one upstream reads.
+    # (_devices.pack_philox), so it must be the one upstream reads.
     try:
         seed, offset = (1 << 63) + 42, (1 << 62) + 4
         state = torch.frombuffer(bytearray(pack_philox(seed, offset)), dtype=torch.uint8)
@@ -144,7 +144,7 @@ def missing_internals() -> list[str]:
         hasattr(_dispatch, "run_dtensor_rng_op"),
         "torch.distributed.tensor._dispatch.run_dtensor_rng_op",
     )
-    # The graph break at a DTensor random op under torch.compile (tracker._break_graph).
+    # The graph break at a DTensor random op under torch.compile (_tracker._break_graph).
     unimplemented: Callable[..., object] | None = getattr(dynamo_exc, "unimplemented", None)
     keywords = set(_parameters(unimplemented) or ())
     need(

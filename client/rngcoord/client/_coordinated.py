@@ -150,7 +150,7 @@ class OffsetBasedRNGTracker(  # type: ignore[misc]
             )
         self.replica = replica
         # A bad size fails here, at install(), not at the first random op. Offsets past 2^63
-        # on Philox devices are refused per op (devices.check_philox_offset), since CPU
+        # on Philox devices are refused per op (_devices.check_philox_offset), since CPU
         # streams may use the whole uint64 range.
         self.schedule = LeaseSchedule(fixed=lease_size)
         self.client = client
