@@ -3,10 +3,13 @@ itself, in a fresh folder, with only its port made free (tests run side by side)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,12 +31,25 @@ def _run(script: str, cwd: Path, timeout_s: float = 120) -> subprocess.Completed
     # The venv's `rngcoord`, `python` and `torchrun` first on PATH, as an activated venv
     # would put them.
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(
-        ["bash", "-e", "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
-        timeout=timeout_s,
-    )  # fmt: skip
-    assert done.returncode == 0, f"{script}\n--- stdout:\n{done.stdout}\n--- stderr:\n{done.stderr}"
-    return done
+    # A session of its own: a script that fails (or times out) before its `kill %1` must not
+    # leave its background coordinator running beside the rest of the suite. Files, not
+    # pipes: a background process would hold a pipe open after the script ends.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(
+            ["bash", "-e", "-c", script], cwd=cwd, env=env, stdout=out, stderr=err,
+            text=True, start_new_session=True,
+        )  # fmt: skip
+        try:
+            process.wait(timeout=timeout_s)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    assert process.returncode == 0, f"{script}\n--- stdout:\n{stdout}\n--- stderr:\n{stderr}"
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def _with_free_port(script: str, port: str) -> str:
